@@ -1,0 +1,8 @@
+"""nanovllm: a fast, readable LLM inference engine with vLLM's interface."""
+
+from nanovllm.llm import LLM
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Attention metadata, the scoped forward context, and the attention backends (torch, triton)."""

@@ -1,0 +1,96 @@
+"""Engine configuration: the user's engine arguments, validated, and what is derived from the model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments (the keyword names of ``LLM(...)`` and the CLI flags)."""
+
+    model: str | None = None  # a Hugging Face folder, a .gguf file, or None for the embedded default
+    tokenizer: str | None = None  # defaults to the model's own
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None  # explicit pool size; else from memory (below)
+    kv_cache_memory_bytes: int | None = None  # pool size in bytes; default 2 GiB on the CPU
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (CUDA only)
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    device: str | None = None  # "cuda" when available, else "cpu"
+    seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs
+    load_format: str = "auto"
+    tensor_parallel_size: int = 1
+    attention_backend: str | None = None  # "torch" or "triton"; default triton on CUDA, torch on the CPU
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
+            positive(name)
+        for name in ("max_model_len", "num_kvcache_blocks", "kv_cache_memory_bytes"):
+            positive(name, allow_none=True)
+        if self.kvcache_block_size & (self.kvcache_block_size - 1) or not 1 <= self.kvcache_block_size <= 1024:
+            raise ValueError(f"kvcache_block_size must be a power of two in [1, 1024], got {self.kvcache_block_size}.")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU.")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}.")
+        if self.model is not None:
+            self.model = os.path.expanduser(str(self.model))
+            if not os.path.exists(self.model):
+                raise FileNotFoundError(f"model path {self.model!r} does not exist (nothing can be downloaded: "
+                                        "give a local Hugging Face folder or a .gguf file).")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.is_cuda else torch.float32
+        return DTYPES[self.dtype]
+
+
+def model_max_len(hf_config) -> int:
+    """The longest sequence the model supports (a sliding window caps it: we do not implement windows)."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or 4096
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)
+    return int(limit)

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the process group state and the worker processes."""

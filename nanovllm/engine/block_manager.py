@@ -1,0 +1,178 @@
+"""The KV block pool in pure Python: free list, reference counts and prefix-cache hashes (no torch here)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def block_hash(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
+    """Hash of a full block, chained over every token before it through the previous block's hash."""
+    h = xxhash.xxh64()
+    if prefix_hash != NO_HASH:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = NO_HASH
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences.
+
+    A block is *used* while some sequence holds it (ref_count > 0) and *free* otherwise. A free block keeps
+    its prefix hash until it is handed out for new content, so a later request can still hit it; free blocks
+    are reused oldest-freed first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        # insertion-ordered: the oldest freed block comes out first (O(1) removal on a prefix hit)
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+        # prefix-cache statistics, in tokens
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences."""
+        return len(self.used_block_ids) / len(self.blocks)
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]  # its old content is about to be overwritten
+        block.hash = NO_HASH
+        block.token_ids = []
+        block.ref_count = 1
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) that hold seq's leading full blocks.
+
+        The block holding the last token is never matched: that token must be computed to get logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        block_ids, hashes = [], []
+        prefix_hash = NO_HASH
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.block(i)
+            h = block_hash(tokens, prefix_hash)
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            block_ids.append(block_id)
+            hashes.append(h)
+            prefix_hash = h
+        return block_ids, hashes
+
+    # -- admission -----------------------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        hit_ids, _ = self._match_prefix(seq)
+        hits_on_free = sum(1 for b in hit_ids if self.blocks[b].ref_count == 0)
+        return seq.num_blocks - len(hit_ids) + hits_on_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its tokens, reusing prefix-cache hits; sets seq.num_cached_tokens."""
+        assert not seq.block_table
+        hit_ids, hashes = self._match_prefix(seq)
+        for block_id in hit_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+                self.used_block_ids.add(block_id)
+            block.ref_count += 1
+        seq.block_table = hit_ids + [self._take_free_block() for _ in range(seq.num_blocks - len(hit_ids))]
+        seq.block_hashes = hashes
+        seq.num_cached_tokens = len(hit_ids) * self.block_size
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_cached_tokens
+
+    def deallocate(self, seq: Sequence) -> None:
+        # Tail blocks go on the free list first, so they are reused before the more shareable prefix.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_cached_tokens = 0
+
+    # -- decode ---------------------------------------------------------------------------------------------
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether seq's newest token has a slot (an existing one, or a free block)."""
+        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+
+    def may_append(self, seq: Sequence) -> None:
+        """Give seq a new block when its newest token starts one."""
+        if len(seq.block_table) < seq.num_blocks:
+            assert len(seq.block_table) + 1 == seq.num_blocks
+            seq.block_table.append(self._take_free_block())
+
+    # -- prefix cache ---------------------------------------------------------------------------------------
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish seq's full blocks whose K/V is now computed, so later requests can hit them.
+
+        Called after each step: a block is only hashable once every one of its tokens is in the cache, so a
+        concurrent request can never hit a block that is still being filled.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_cached_tokens // self.block_size
+        prefix_hash = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = seq.block(i)
+            h = block_hash(tokens, prefix_hash)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == NO_HASH:
+                block.hash = h
+                block.token_ids = list(tokens)
+                self.hash_to_block_id.setdefault(h, block.block_id)
+            seq.block_hashes.append(h)
+            prefix_hash = h
+
+    def check_invariants(self) -> None:
+        """For tests: the pool's bookkeeping is consistent."""
+        free = set(self.free_block_ids)
+        assert not (free & self.used_block_ids), "a block is both free and used"
+        assert len(free) + len(self.used_block_ids) == len(self.blocks)
+        for block in self.blocks:
+            assert block.ref_count >= 0
+            assert (block.ref_count > 0) == (block.block_id in self.used_block_ids)
+        for h, block_id in self.hash_to_block_id.items():
+            assert self.blocks[block_id].hash == h

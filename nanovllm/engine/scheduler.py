@@ -1,0 +1,162 @@
+"""Continuous batching: each step, pick which requests run and how many tokens each computes.
+
+There is no separate prefill phase: a request has ``num_cached_tokens`` computed out of ``num_tokens``, and a
+step closes part of that gap within a token budget (``max_num_batched_tokens``). Running requests decode one
+token each; the budget left over goes to waiting requests in arrival order, the last one admitted taking a
+chunk of its prompt if the whole prompt does not fit. When the KV pool runs dry, the newest running request
+is preempted: it gives its blocks back and returns to the front of the queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_kvcache_blocks: int
+    kvcache_block_size: int
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_decode_tokens_computed: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: set[int]):
+        self.config = config
+        self.eos_token_ids = set(eos_token_ids)
+        self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.stats = SchedulerStats()
+
+    # -- queue ------------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Drop an unfinished request and free its blocks; False if it was not queued here."""
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+                self._finish(seq, "abort")
+                return True
+        return False
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def schedule(self) -> list[Sequence]:
+        """The step's batch, decodes first; each sequence's num_scheduled_tokens is set."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        preempted = False
+
+        # 1. Running requests decode one token each, oldest first; make room by preempting the newest.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            while not self.block_manager.can_append(seq):
+                # The newest holder of blocks goes first: a half-prefilled request at the head of the queue
+                # (admitted after every running one), else the last running request.
+                partial = self.waiting and self.waiting[0].block_table
+                victim = self.waiting.popleft() if partial else self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                budget -= 1
+                scheduled.append(seq)
+                i += 1
+                continue
+            break  # seq preempted itself: everything after it is gone too
+
+        # 2. Waiting requests, in arrival order, while budget, sequence slots and blocks last.
+        if not preempted:
+            holding = len(self.running) + sum(1 for s in self.waiting if s.block_table)
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                if not seq.block_table:
+                    if holding >= self.config.max_num_seqs or not self.block_manager.can_allocate(seq):
+                        break
+                    self.block_manager.allocate(seq)
+                    holding += 1
+                num_new = min(seq.num_tokens - seq.num_cached_tokens, budget)
+                assert num_new > 0
+                seq.num_scheduled_tokens = num_new
+                budget -= num_new
+                scheduled.append(seq)
+                if seq.num_cached_tokens + num_new < seq.num_tokens:
+                    break  # a chunk: this request continues next step, still at the head of the queue
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        seq.is_prefill = True
+        seq.num_scheduled_tokens = 0
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
+        """Record the step: advance progress, append sampled tokens, finish requests. Returns the finished.
+
+        token_ids[i] is None for a sequence that only computed a chunk of its prompt (nothing sampled).
+        """
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            if seq.is_prefill:
+                self.stats.num_prompt_tokens_computed += seq.num_scheduled_tokens
+            else:
+                self.stats.num_decode_tokens_computed += seq.num_scheduled_tokens
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_computed_blocks(seq)
+            if token_id is None:
+                continue
+            assert seq.num_cached_tokens == seq.num_tokens
+            seq.is_prefill = False
+            seq.append_token(token_id)
+            reason = self.stop_reason(seq, token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        if not seq.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.num_scheduled_tokens = 0
+        self.block_manager.deallocate(seq)

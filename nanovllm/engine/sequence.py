@@ -1,0 +1,114 @@
+"""Sequence: one request's generation state and its view of the paged KV cache."""
+
+from __future__ import annotations
+
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    # Waiting for compute or memory; this includes a request whose prefill is not fully scheduled yet.
+    WAITING = auto()
+    # The whole prompt has been scheduled, so the request goes on to decode. The scheduler sets this when it
+    # schedules the last prefill chunk, before that step's forward has actually run.
+    RUNNING = auto()
+    # Reached EOS / a stop condition / its length limit (or was aborted); never scheduled again.
+    FINISHED = auto()
+
+
+class Sequence:
+    # Class-wide KV block size; the engine sets it to its configured kvcache_block_size, so every Sequence in
+    # a process shares it.
+    block_size = 256
+    # Class-wide id generator. Warm-up also builds sequences, so the first user request need not get id 0.
+    counter = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams()):
+        self.seq_id = next(Sequence.counter)
+        self.status = SequenceStatus.WAITING
+        # A copy: append_token() must not change the caller's list.
+        self.token_ids = copy(token_ids)
+        self.last_token = token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        # Compute progress: tokens whose K/V is in the cache (prefix-cache hits add to it directly).
+        self.num_cached_tokens = 0
+        # Tokens scheduled into this step's forward; 0 before scheduling and again after postprocessing.
+        self.num_scheduled_tokens = 0
+        # True while the prompt is processed; the scheduler clears it on entering decode, preemption sets it again.
+        self.is_prefill = True
+        # Physical KV block ids in the logical order of the tokens.
+        self.block_table: list[int] = []
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        # Beyond the contract: the full parameters, prefix-cache hashes of the full blocks computed so far,
+        # and why the request finished.
+        self.sampling_params = sampling_params
+        self.block_hashes: list[int] = []
+        self.finish_reason: str | None = None
+        self.request_id: str | None = None
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        # Ceiling division: with block size 256, 256 tokens need 1 block and 257 need 2.
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """The token ids of logical block i (token content, not KV tensors)."""
+        assert 0 <= i < self.num_blocks
+        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        # The new token's K/V is not computed yet; the next decode step computes it.
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    def __getstate__(self):
+        # What a tensor-parallel worker needs for one step: prefill needs the token list, decode only the last token.
+        last_state = self.last_token if not self.is_prefill else self.token_ids
+        return (self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
+                self.block_table, last_state)
+
+    def __setstate__(self, state):
+        (self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
+         self.block_table, last_state) = state
+        if isinstance(last_state, list):
+            self.token_ids = last_state
+            self.last_token = self.token_ids[-1]
+            self.is_prefill = True
+        else:
+            # A decode worker holds no token history: code on workers must not read token_ids in decode.
+            self.token_ids = []
+            self.last_token = last_state
+            self.is_prefill = False

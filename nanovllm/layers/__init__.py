@@ -1,0 +1,1 @@
+"""Model building blocks: parallel linear layers, norms, rotary embedding, embeddings, activation, sampler."""

@@ -1,0 +1,25 @@
+"""The attention layer: hands q, k, v and its slice of the KV pool to the step's attention backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanovllm.attention.metadata import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.empty(0)
+        self.backend = None
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
+        """Give this layer its KV cache views ([num_blocks, block_size, num_kv_heads, head_dim]) and backend."""
+        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
+        assert self.backend is not None, "attention layer used before the runner bound its KV cache"
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_forward_context(), self.scale)

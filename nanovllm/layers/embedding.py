@@ -1,0 +1,51 @@
+"""Vocabulary-parallel token embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed.state import all_reduce, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.vocab_size = vocab_size
+        self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
+        self.vocab_start = self.shard_size * self.tp_rank
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit an embedding of "
+                             f"{self.vocab_size} x {param.shape[1]}")
+        part = loaded[self.vocab_start:self.vocab_start + self.shard_size]
+        param.data.zero_()
+        param.data[:part.shape[0]].copy_(part)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.shard_size)
+        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mine.unsqueeze(-1)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the whole vocabulary, gathered on rank 0 (other ranks return None)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, parts, dst=0)
+        if self.tp_rank != 0:
+            return None
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size]

@@ -1,0 +1,34 @@
+"""Model families, chosen by the config's ``architectures``."""
+
+from __future__ import annotations
+
+from nanovllm.models.decoder import DecoderForCausalLM, FamilyTraits
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    traits = FamilyTraits()
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    traits = FamilyTraits(qkv_bias=True, o_bias_from_config=False)
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    traits = FamilyTraits(qk_norm=True)
+
+
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama's layers; sliding windows are handled by capping max_model_len
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(config) -> type[DecoderForCausalLM]:
+    architectures = list(getattr(config, "architectures", None) or [])
+    for name in architectures:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise ValueError(f"unsupported model architecture {architectures or '(none given)'}; "
+                     f"supported: {', '.join(sorted(MODEL_REGISTRY))}.")
