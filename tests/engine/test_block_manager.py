@@ -1,0 +1,136 @@
+"""The block pool: bookkeeping invariants and prefix-cache correctness under random interleavings."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True)
+def small_blocks():
+    old = Sequence.block_size
+    Sequence.block_size = BLOCK
+    yield
+    Sequence.block_size = old
+
+
+class SimulatedCache:
+    """Stands in for the KV pool: which token's K/V each slot holds."""
+
+    def __init__(self, num_blocks):
+        self.slots = [None] * (num_blocks * BLOCK)
+
+    def compute(self, seq):
+        """Compute seq's uncomputed tokens (write their 'K/V'), then mark them cached."""
+        for pos in range(seq.num_cached_tokens, seq.num_tokens):
+            self.slots[seq.block_table[pos // BLOCK] * BLOCK + pos % BLOCK] = seq.token_ids[pos]
+        seq.num_cached_tokens = seq.num_tokens
+
+    def assert_view(self, seq):
+        for pos in range(seq.num_cached_tokens):
+            slot = seq.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
+            assert self.slots[slot] == seq.token_ids[pos], "a sequence sees another sequence's K/V"
+
+
+ops = st.lists(st.tuples(st.sampled_from(["new", "append", "free"]),
+                         st.lists(st.integers(0, 2), min_size=1, max_size=14),
+                         st.integers(0, 1000)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, num_blocks=st.integers(4, 16), caching=st.booleans())
+def test_random_interleavings_keep_invariants(ops, num_blocks, caching):
+    bm = BlockManager(num_blocks, BLOCK, enable_prefix_caching=caching)
+    cache = SimulatedCache(num_blocks)
+    live: list[Sequence] = []
+    for op, tokens, pick in ops:
+        if op == "new":
+            seq = Sequence(tokens)
+            if bm.can_allocate(seq):
+                free_before = bm.num_free_blocks
+                bm.allocate(seq)
+                assert len(seq.block_table) == seq.num_blocks
+                assert seq.num_cached_tokens < seq.num_tokens, "the last token must always be computed"
+                assert bm.num_free_blocks <= free_before
+                cache.assert_view(seq)
+                cache.compute(seq)
+                bm.cache_computed_blocks(seq)
+                live.append(seq)
+        elif op == "append" and live:
+            seq = live[pick % len(live)]
+            seq.append_token(tokens[0])
+            if bm.can_append(seq):
+                bm.may_append(seq)
+                cache.compute(seq)
+                bm.cache_computed_blocks(seq)
+            else:
+                assert bm.num_free_blocks == 0
+                bm.deallocate(seq)
+                live.remove(seq)
+        elif op == "free" and live:
+            bm.deallocate(live.pop(pick % len(live)))
+        bm.check_invariants()
+        for seq in live:
+            cache.assert_view(seq)
+    for seq in live:
+        bm.deallocate(seq)
+    bm.check_invariants()
+    assert bm.num_free_blocks == num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_prefix_hit_reuses_blocks_and_survives_free():
+    bm = BlockManager(8, BLOCK)
+    a = Sequence(list(range(10)))  # blocks [0..3] [4..7] [8, 9]
+    bm.allocate(a)
+    a.num_cached_tokens = a.num_tokens
+    bm.cache_computed_blocks(a)
+    b = Sequence(list(range(9)))
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 8
+    c = Sequence(list(range(8)) + [99])
+    bm.allocate(c)  # the freed blocks kept their hashes
+    assert c.num_cached_tokens == 8
+    assert bm.num_hit_tokens == 16 and bm.num_queried_tokens == 10 + 9 + 9
+
+
+def test_full_hit_still_computes_last_token():
+    bm = BlockManager(8, BLOCK)
+    a = Sequence(list(range(8)))
+    bm.allocate(a)
+    a.num_cached_tokens = 8
+    bm.cache_computed_blocks(a)
+    b = Sequence(list(range(8)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4, "the block holding the last token is recomputed"
+    assert b.block_table[1] != a.block_table[1]
+
+
+def test_uncomputed_blocks_are_not_shared():
+    bm = BlockManager(8, BLOCK)
+    a = Sequence(list(range(12)))
+    bm.allocate(a)  # nothing computed yet
+    b = Sequence(list(range(12)))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_hash_collision_is_checked_against_tokens(monkeypatch):
+    import nanovllm.engine.block_manager as mod
+    monkeypatch.setattr(mod, "block_hash", lambda tokens, prefix=-1: 7)
+    bm = BlockManager(8, BLOCK)
+    a = Sequence([1, 1, 1, 1, 5])
+    bm.allocate(a)
+    a.num_cached_tokens = 5
+    bm.cache_computed_blocks(a)
+    b = Sequence([2, 2, 2, 2, 5])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0, "same hash but other tokens must miss"

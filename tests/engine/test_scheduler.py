@@ -1,0 +1,101 @@
+"""Scheduler policy without a model: budgets, chunking, FCFS, preemption order."""
+
+import pytest
+
+from nanovllm import SamplingParams
+from nanovllm.engine.batch import needs_sample
+from nanovllm.engine.scheduler import Scheduler, SchedulerConfig
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True)
+def small_blocks():
+    old = Sequence.block_size
+    Sequence.block_size = BLOCK
+    yield
+    Sequence.block_size = old
+
+
+def make(num_blocks=64, budget=16, max_seqs=8):
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1000,
+                             num_kvcache_blocks=num_blocks, kvcache_block_size=BLOCK)
+    return Scheduler(config, eos_token_ids={0})
+
+
+def step(sched):
+    seqs = sched.schedule()
+    tokens = [7 if needs_sample(s) else None for s in seqs]
+    sched.postprocess(seqs, tokens)
+    return seqs
+
+
+def seq(n, max_tokens=3):
+    return Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_budget_chunks_the_last_admitted_request_whatever_its_position():
+    sched = make(budget=10)
+    a, b = seq(4), seq(20)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [s.num_scheduled_tokens for s in batch] == [4, 6], "b (second in the batch) is chunked"
+    assert a.status == SequenceStatus.RUNNING and b.status == SequenceStatus.WAITING
+    sched.postprocess(batch, [7, None])
+    batch = sched.schedule()
+    assert batch[0] is a and batch[0].num_scheduled_tokens == 1, "decodes come first"
+    assert batch[1] is b and b.num_scheduled_tokens == 9
+
+
+def test_max_num_seqs_and_fcfs():
+    sched = make(max_seqs=2)
+    seqs = [seq(2) for _ in range(4)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()
+    assert first == seqs[:2]
+    order = []
+    while not sched.is_finished():
+        for s in step(sched):
+            if s.is_finished:
+                order.append(s)
+    assert order == seqs
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_preempts_newest_and_finishes_everyone():
+    sched = make(num_blocks=4, budget=64)
+    seqs = [seq(4, max_tokens=4) for _ in range(4)]  # each fills one block, then needs a second
+    for s in seqs:
+        sched.add(s)
+    guard = 0
+    while not sched.is_finished():
+        step(sched)
+        guard += 1
+        assert guard < 200, "the scheduler stopped making progress"
+    assert sched.stats.num_preemptions > 0
+    assert all(s.finish_reason == "length" and s.num_completion_tokens == 4 for s in seqs)
+    assert sched.block_manager.num_free_blocks == 4
+
+
+def test_victim_is_the_newest_running_request():
+    sched = make(num_blocks=2, budget=64)
+    a, b = seq(4, max_tokens=5), seq(4, max_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both prefilled, each holding its one block; both now need a second block
+    batch = sched.schedule()
+    assert batch == [a] and b.status == SequenceStatus.WAITING and sched.waiting[0] is b
+    assert b.block_table == [] and b.num_cached_tokens == 0 and b.is_prefill
+
+
+def test_abort_frees_blocks():
+    sched = make()
+    a = seq(9)
+    sched.add(a)
+    step(sched)
+    assert sched.abort(a)
+    assert a.finish_reason == "abort" and sched.is_finished()
+    assert sched.block_manager.num_free_blocks == 64
