@@ -1,0 +1,53 @@
+"""Engine arguments as command-line flags: one flag per EngineConfig field, shared by every subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from nanovllm.config import EngineConfig
+
+HELP = {
+    "tokenizer": "tokenizer folder (default: the model's own)",
+    "max_model_len": "longest prompt + completion in tokens (default: the model's limit)",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one engine step (longer prompts are prefilled in chunks)",
+    "kvcache_block_size": "tokens per KV-cache block (a power of two)",
+    "num_kvcache_blocks": "KV-cache pool size in blocks (default: from memory)",
+    "kv_cache_memory_bytes": "KV-cache pool size in bytes (default on the CPU: 2 GiB)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "dtype": "auto (bfloat16 on CUDA, float32 on the CPU), float32, float16 or bfloat16",
+    "device": "cpu or cuda (default: cuda when available)",
+    "seed": "random seed of sampling and of dummy weights",
+    "enforce_eager": "no CUDA graphs",
+    "load_format": "auto, safetensors, gguf or dummy (random weights from config.json)",
+    "tensor_parallel_size": "number of GPUs (or CPU processes) to split the model across",
+    "attention_backend": "torch or triton (default: triton on CUDA, torch on the CPU)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "model" and not include_model:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        default = field.default
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=HELP.get(field.name))
+            continue
+        base = next((t for t in (int, float, str) if t is kind or t in typing.get_args(kind)), str)
+        group.add_argument(flag, type=base, default=default,
+                           help=HELP.get(field.name, "a local Hugging Face folder or .gguf file "
+                                         "(default: the embedded SmolLM2-135M-Instruct)"))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine arguments of parsed flags, as keyword arguments for LLM(...)."""
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
