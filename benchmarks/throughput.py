@@ -1,0 +1,159 @@
+"""Offline throughput on the standard workloads (W1: nano-vllm's benchmark, W2: fixed lengths).
+
+Prints a table (requests, prompt tokens, output tokens, seconds, output tok/s, fraction of the roofline
+ceiling) and writes JSON. Throughput = generated tokens / wall time of the whole generate call, after one
+warm-up call. Random weights (load_format="dummy") from a config.json; random token ids.
+
+    python benchmarks/throughput.py --workload W1 W2 --out results/throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_MODEL = os.path.join(HERE, "model_configs", "qwen3-0.6b")
+# measured on the H200 used for these figures (see docs/benchmarks.md)
+COPY_BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy, read + write
+MATMUL_FLOPS = 774e12  # bf16 dense
+
+
+def workload(name: str, num_requests: int):
+    random.seed(0)
+    if name == "W1":
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_requests)]
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024))
+                  for _ in range(num_requests)]
+    elif name == "W2":
+        prompts = [[random.randint(0, 10000) for _ in range(512)] for _ in range(num_requests)]
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512)] * num_requests
+    else:
+        raise ValueError(f"unknown workload {name!r}; choose W1 or W2")
+    return prompts, params
+
+
+def roofline_seconds(llm: LLM, prompts, params) -> tuple[float, float]:
+    """(memory floor, compute floor) in seconds: every decode step reads the weights and each live KV once."""
+    cfg = llm.hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    weight_params = sum(p.numel() for p in llm.runner.runner.model.parameters()) if hasattr(llm.runner, "runner") \
+        else sum(p.numel() for p in llm.runner.model.parameters())
+    weight_params *= llm.config.tensor_parallel_size
+    kv_reads = sum(len(p) * sp.max_tokens + sp.max_tokens * (sp.max_tokens - 1) // 2 for p, sp in zip(prompts, params))
+    decode_steps = max(sp.max_tokens for sp in params)  # all requests fit at once on the card
+    memory = (kv_reads * kv_bytes + decode_steps * weight_params * 2) / COPY_BANDWIDTH
+    tokens = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+    compute = 2 * weight_params * tokens / MATMUL_FLOPS
+    return memory, compute
+
+
+class StepProfiler:
+    """Times the parts of each engine step (synchronising the device around each), when asked to."""
+
+    def __init__(self, llm: LLM):
+        import torch
+
+        self.totals = defaultdict(float)
+        self.sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        runner = getattr(llm.runner, "runner", llm.runner)
+        import nanovllm.engine.model_runner as mr
+        self._wrap(llm.scheduler, "schedule", "schedule")
+        self._wrap(llm.scheduler, "postprocess", "postprocess")
+        self._wrap_module(mr, "prepare_batch", "prepare inputs")
+        self._wrap(runner, "_forward", "forward (eager)")
+        if runner.graphs is not None:
+            self._wrap(runner.graphs, "replay", "forward (graph)")
+        self._wrap(runner.model, "compute_logits", "logits")
+        self._wrap(runner, "sampler", "sample")
+
+    def _timed(self, fn, label):
+        def wrapper(*args, **kwargs):
+            self.sync()
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.sync()
+            self.totals[label] += time.perf_counter() - start
+            return result
+        return wrapper
+
+    def _wrap(self, obj, attr, label):
+        setattr(obj, attr, self._timed(getattr(obj, attr), label))
+
+    def _wrap_module(self, module, attr, label):
+        setattr(module, attr, self._timed(getattr(module, attr), label))
+
+    def report(self, wall: float) -> dict:
+        rows = dict(sorted(self.totals.items(), key=lambda kv: -kv[1]))
+        print(f"{'part of step':<20}{'seconds':>10}{'share':>8}")
+        for label, seconds in rows.items():
+            print(f"{label:<20}{seconds:>10.2f}{seconds / wall:>8.1%}")
+        return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a folder with config.json (random weights)")
+    parser.add_argument("--workload", nargs="+", default=["W1", "W2"], choices=["W1", "W2"])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--kvcache-block-size", type=int, default=256)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--profile", action="store_true", help="report where a step's time goes")
+    parser.add_argument("--out", default="results/throughput.json")
+    args = parser.parse_args()
+
+    llm = LLM(args.model, load_format="dummy", enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kvcache_block_size=args.kvcache_block_size, device=args.device, dtype=args.dtype)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+
+    results = []
+    for name in args.workload:
+        prompts, params = workload(name, args.num_requests)
+        profiler = StepProfiler(llm) if args.profile else None
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        generated = sum(len(o.token_ids) for o in outputs)
+        memory, compute = roofline_seconds(llm, prompts, params)
+        ceiling = generated / (memory + compute)
+        row = dict(workload=name, requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                   output_tokens=generated, seconds=round(seconds, 3), output_tok_s=round(generated / seconds, 1),
+                   ceiling_tok_s=round(ceiling, 1), fraction_of_ceiling=round(generated / seconds / ceiling, 3),
+                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                   preemptions=llm.scheduler.stats.num_preemptions, kv_blocks=llm.num_kvcache_blocks,
+                   model=os.path.basename(os.path.normpath(args.model)))
+        if profiler:
+            row["profile_seconds"] = profiler.report(seconds)
+        results.append(row)
+
+    header = f"{'workload':<9}{'requests':>9}{'prompt tok':>12}{'output tok':>12}{'seconds':>9}{'out tok/s':>11}{'ceiling':>9}{'fraction':>9}"
+    print(header)
+    for r in results:
+        print(f"{r['workload']:<9}{r['requests']:>9}{r['prompt_tokens']:>12}{r['output_tokens']:>12}{r['seconds']:>9.2f}"
+              f"{r['output_tok_s']:>11,.0f}{r['ceiling_tok_s']:>9,.0f}{r['fraction_of_ceiling']:>9.2f}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Tensor-parallel execution: rank 0 drives, the other ranks replay each step it broadcasts.
+
+Two ways to start the ranks:
+- ``LLM(..., tensor_parallel_size=N)`` on one machine: rank 0 is this process and spawns N-1 workers; they
+  meet on a free TCP port of 127.0.0.1 (no fixed port, no shared-memory name).
+- under ``torchrun --nproc-per-node N [--nnodes M ...] script.py``: every process runs the same script; the
+  process with RANK 0 returns from ``LLM(...)`` and drives, the others serve steps inside the constructor and
+  exit when the driver closes the engine.
+
+Each step, rank 0 broadcasts ("run", [Sequence]) — a Sequence pickles to what a worker needs (the token list
+while prefilling, the last token in decode) — and every rank runs the same forward; only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+STEP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device_for(config, local_rank: int) -> torch.device:
+    if config.is_cuda:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _init_group(config, rank: int, world_size: int, init_method: str) -> None:
+    backend = "nccl" if config.is_cuda else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=STEP_TIMEOUT)
+
+
+def _build_runner(config, hf_config, model_path: str, max_model_len: int, device: torch.device):
+    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine.sequence import Sequence
+
+    Sequence.block_size = config.kvcache_block_size
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    return ModelRunner(config, hf_config, model_path, max_model_len, rank=dist.get_rank(), device=device)
+
+
+def _serve_steps(runner) -> None:
+    """A worker's loop: run every step rank 0 broadcasts until it says exit."""
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0)
+        command, payload = message[0]
+        if command == "exit":
+            return
+        assert command == "run", command
+        runner.run(payload)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this worker if the driver process disappears, instead of waiting on it forever."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def worker_main(rank: int, world_size: int, init_method: str, config, hf_config, model_path: str,
+                max_model_len: int, parent_pid: int) -> None:
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _init_group(config, rank, world_size, init_method)
+    try:
+        runner = _build_runner(config, hf_config, model_path, max_model_len, _device_for(config, rank))
+        _serve_steps(runner)
+    finally:
+        dist.destroy_process_group()
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: same interface as ModelRunner (run, num_kvcache_blocks, close)."""
+
+    def __init__(self, config, source, max_model_len: int):
+        self.world_size = config.tensor_parallel_size
+        self.processes: list = []
+        if config.is_cuda and torch.cuda.device_count() < self.world_size and "WORLD_SIZE" not in os.environ:
+            raise ValueError(f"tensor_parallel_size {self.world_size} needs {self.world_size} GPUs; "
+                             f"torch sees {torch.cuda.device_count()}.")
+        if "WORLD_SIZE" in os.environ:  # started by torchrun
+            world = int(os.environ["WORLD_SIZE"])
+            if world != self.world_size:
+                raise ValueError(f"tensor_parallel_size {self.world_size} does not match torchrun's WORLD_SIZE {world}.")
+            rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+            _init_group(config, rank, world, "env://")
+            device = _device_for(config, local_rank)
+            if rank != 0:
+                runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
+                _serve_steps(runner)
+                dist.destroy_process_group()
+                sys.exit(0)
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            ctx = mp.get_context("spawn")
+            for rank in range(1, self.world_size):
+                process = ctx.Process(target=worker_main, daemon=True, args=(
+                    rank, self.world_size, init_method, config, source.hf_config, source.path, max_model_len,
+                    os.getpid()))
+                process.start()
+                self.processes.append(process)
+            _init_group(config, 0, self.world_size, init_method)
+            device = _device_for(config, 0)
+        self.runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
+        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.closed = False
+        atexit.register(self.close)
+
+    def run(self, seqs):
+        for process in self.processes:
+            if not process.is_alive():
+                raise RuntimeError(f"a tensor-parallel worker (pid {process.pid}) died with exit code "
+                                   f"{process.exitcode}; the engine cannot continue.")
+        dist.broadcast_object_list([("run", seqs)], src=0)
+        return self.runner.run(seqs)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.is_alive() for p in self.processes):
+                dist.broadcast_object_list([("exit", None)], src=0)
+            for process in self.processes:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()

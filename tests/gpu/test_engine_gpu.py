@@ -1,0 +1,53 @@
+"""The CUDA path (Triton kernels, CUDA graphs) against the CPU reference path. Run with `pytest -m gpu`."""
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 16, 17, 40, 100, 255, 256, 300)]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_float32_greedy_equals_cpu(tiny_qwen3, block_size):
+    cpu = LLM(tiny_qwen3, device="cpu", kvcache_block_size=block_size, num_kvcache_blocks=4096 // block_size)
+    expected = [o.token_ids for o in cpu.generate(prompts(), GREEDY, use_tqdm=False)]
+    for eager in (True, False):
+        gpu = LLM(tiny_qwen3, device="cuda", dtype="float32", enforce_eager=eager, kvcache_block_size=block_size,
+                  num_kvcache_blocks=4096 // block_size, max_num_batched_tokens=128)
+        assert [o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)] == expected
+        # a second run hits the prefix cache
+        assert [o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)] == expected
+
+
+def test_bf16_logits_close_to_float32(tiny_qwen3):
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(tiny_qwen3, device="cuda", dtype=dtype, enforce_eager=True, kvcache_block_size=16,
+                  num_kvcache_blocks=256)
+        captured = []
+        original = llm.runner.model.compute_logits
+        llm.runner.model.compute_logits = lambda h, o=original: captured.append(o(h)) or captured[-1]
+        llm.generate([prompts()[4]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        logits[dtype] = captured[0].float()
+    scale = logits["float32"].abs().max()
+    assert (logits["bfloat16"] - logits["float32"]).abs().max() <= 0.03 * scale
+
+
+def test_qwen3_shape_dummy_weights_runs_with_graphs():
+    import os
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "model_configs", "qwen3-0.6b")
+    llm = LLM(folder, load_format="dummy", max_model_len=2048, max_num_seqs=64)
+    out = llm.generate([[1, 2, 3] * 100] * 40, SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.token_ids) == 32 for o in out)
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
