@@ -5,6 +5,15 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU, Triton kernels run under the CPU interpreter; it must be chosen before any kernel module
+# is imported, whichever test folder imports one first.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+except ImportError:
+    pass
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

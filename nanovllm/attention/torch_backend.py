@@ -39,7 +39,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long().clamp(min=0)
+    table = block_tables[:, :num_blocks].long().clamp(0, k_cache.shape[0] - 1)  # padding ids: never used
     keys = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
     values = v_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
     group = num_heads // num_kv_heads
@@ -47,7 +47,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale  # [B, kvh, group, L]
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding request (seq_len 0) attends to nothing
     out = torch.einsum("bhgl,blhd->bhgd", probs, values)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 

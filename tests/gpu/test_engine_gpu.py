@@ -35,7 +35,7 @@ def test_bf16_logits_close_to_float32(tiny_qwen3):
                   num_kvcache_blocks=256)
         captured = []
         original = llm.runner.model.compute_logits
-        llm.runner.model.compute_logits = lambda h, o=original: captured.append(o(h)) or captured[-1]
+        llm.runner.model.compute_logits = lambda h, o=original, c=captured: c.append(o(h)) or c[-1]
         llm.generate([prompts()[4]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         logits[dtype] = captured[0].float()
     scale = logits["float32"].abs().max()

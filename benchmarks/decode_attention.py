@@ -1,0 +1,150 @@
+"""Microbenchmark of the split-K decode attention kernel: achieved memory bandwidth against H200's peak.
+
+    python benchmarks/decode_attention.py --out results/decode_attention.json          # GPU
+    python benchmarks/decode_attention.py --sweep --out results/decode_sweep.json     # + splits/configs
+    python benchmarks/decode_attention.py --smoke --out /tmp/smoke.json                # CPU interpreter
+
+Bytes moved per call = K and V of every request's seq_len keys + q read + out written; bandwidth =
+bytes / time (median of triton.testing.do_bench, which flushes L2 before each run). The KV pool is
+scattered: each request's blocks are a random permutation of the pool, as after a while of serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+PEAK_TBPS = 4.25  # H200 HBM3e
+TARGET_FRACTION = 0.75
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# (block_n, num_warps, num_stages) tried by --sweep besides the default
+SWEEP_CONFIGS = [(64, 4, 2), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 3), (64, 8, 3)]
+SWEEP_SPLITS = [1, 2, 4, 8]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024, help="seq_len of every request (keys read)")
+    parser.add_argument("--num-heads", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[256, 16])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--sweep", action="store_true", help="also try other split counts and tile configs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="no GPU: tiny shapes under the Triton CPU interpreter, to check the script runs")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    import torch
+
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        args.batch, args.context, args.num_heads, args.num_kv_heads, args.head_dim = 4, 100, 4, 2, 64
+        args.dtype, args.block_sizes, device = "fp16", [16, 128], "cpu"
+    elif not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU (or --smoke to check the script on the CPU interpreter)",
+              file=sys.stderr)
+        return 2
+    else:
+        device = "cuda"
+
+    import triton.testing
+
+    from nanovllm.attention.torch_backend import decode_attention_ref
+    from nanovllm.kernels.decode_attention import (
+        DecodeConfig,
+        decode_attention,
+        default_decode_config,
+        plan_splits,
+    )
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    elem = dtype.itemsize
+    batch, context, heads, kv_heads, head_dim = args.batch, args.context, args.num_heads, args.num_kv_heads, \
+        args.head_dim
+    scale = head_dim**-0.5
+    bytes_moved = 2 * batch * context * kv_heads * head_dim * elem + 2 * batch * heads * head_dim * elem
+
+    def time_ms(fn) -> float:
+        if device == "cuda":
+            return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    default_config = default_decode_config(head_dim, dtype)
+    results = []
+    for block_size in args.block_sizes:
+        blocks_per_seq = triton.cdiv(context, block_size)
+        num_blocks = batch * blocks_per_seq
+        gen = torch.Generator(device=device).manual_seed(0)
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, generator=gen).to(dtype)
+        v_cache = torch.randn_like(k_cache)
+        block_tables = torch.randperm(num_blocks, device=device, generator=gen).view(batch, blocks_per_seq).int()
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        q = torch.randn(batch, heads, head_dim, device=device, generator=gen).to(dtype)
+        out = torch.empty_like(q)
+
+        ref = decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        max_err = (decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, context).float()
+                   - ref.float()).abs().max().item()
+
+        plans: list[tuple[str, int | None, DecodeConfig]] = [("default", None, default_config)]
+        if args.sweep:
+            plans += [("splits", s, default_config) for s in SWEEP_SPLITS]
+            plans += [("config", None, DecodeConfig(*c)) for c in SWEEP_CONFIGS]
+        for label, num_splits, config in plans:
+            splits, _ = plan_splits(batch, kv_heads, context, config.block_n, q.device, num_splits)
+
+            run = functools.partial(decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale, context,
+                                    out=out, num_splits=num_splits, config=config)
+            try:
+                ms = time_ms(run)
+            except Exception as exc:  # e.g. a sweep config out of shared memory: report it, keep going
+                print(f"block_size {block_size} {label} {config}: failed: {exc}", file=sys.stderr)
+                continue
+            tbps = bytes_moved / (ms * 1e-3) / 1e12
+            results.append(dict(block_size=block_size, plan=label, num_splits=splits, block_n=config.block_n,
+                                num_warps=config.num_warps, num_stages=config.num_stages, time_us=ms * 1e3,
+                                tbps=tbps, fraction_of_peak=tbps / PEAK_TBPS, max_abs_err=max_err))
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)"
+    print(f"decode attention on {name}: batch {batch}, context {context}, heads {heads}/{kv_heads}, "
+          f"head_dim {head_dim}, {args.dtype}, {bytes_moved / 1e6:.1f} MB per call; peak {PEAK_TBPS} TB/s")
+    print(f"{'block':>5} {'plan':>8} {'splits':>6} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} "
+          f"{'time us':>9} {'TB/s':>6} {'of peak':>7} {'max err':>8}")
+    for r in results:
+        print(f"{r['block_size']:>5} {r['plan']:>8} {r['num_splits']:>6} {r['block_n']:>7} {r['num_warps']:>5} "
+              f"{r['num_stages']:>6} {r['time_us']:>9.1f} {r['tbps']:>6.2f} {r['fraction_of_peak']:>7.1%} "
+              f"{r['max_abs_err']:>8.1e}")
+    defaults = [r for r in results if r["plan"] == "default"]
+    passed = bool(defaults) and all(r["fraction_of_peak"] >= TARGET_FRACTION for r in defaults)
+    if device == "cuda":
+        print(f"target {TARGET_FRACTION:.0%} of peak with the default plan: {'met' if passed else 'NOT met'}")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(
+        benchmark="decode_attention", device=name, dtype=args.dtype, batch=batch, context=context,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, bytes_per_call=bytes_moved,
+        peak_tbps=PEAK_TBPS, target_fraction=TARGET_FRACTION, target_met=passed if device == "cuda" else None,
+        results=results,
+    ), indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

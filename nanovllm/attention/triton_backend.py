@@ -1,0 +1,45 @@
+"""The GPU attention backend: store K/V, then decode and prefill attention with the Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from nanovllm.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    """Same contract as ``TorchAttentionBackend``, no host syncs: safe to capture in a CUDA graph.
+
+    The kernel modules (and so triton) are imported on first use, so the engine imports without triton.
+    Host-side values read from ``meta``: ``num_decodes``, ``num_seqs`` (decodes + prefills),
+    ``max_query_len`` (grid of the prefill kernel) and ``max_seq_len`` (split plan of the decode
+    kernel: it must bound every request's seq_len; when capturing a decode CUDA graph, set it to the
+    largest length the graph will replay with, e.g. max_model_len, since keys past it are not read).
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from nanovllm.kernels.decode_attention import decode_attention
+        from nanovllm.kernels.prefill_attention import prefill_attention
+        from nanovllm.kernels.store_kvcache import store_kvcache
+
+        self._store_kvcache = store_kvcache
+        self._decode_attention = decode_attention
+        self._prefill_attention = prefill_attention
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
+        self._store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            self._decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                   scale, meta.max_seq_len, out=out[:nd])
+        if meta.num_prefills:
+            # Decodes hold one token each, so the prefill tokens start at token nd.
+            cu = meta.cu_seqlens_q[nd:] - nd
+            self._prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], cu, meta.seq_lens[nd:],
+                                    scale, meta.max_query_len, out=out[nd:])
+        return out
