@@ -46,20 +46,27 @@ def save_tiny_model(family: str, path, seed: int = 0, **overrides) -> str:
     return str(path)
 
 
-@torch.no_grad()
 def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens from transformers (full forward each step) and each prompt's last-token logits."""
+    """Greedy tokens from transformers and each prompt's last-token logits."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return hf_greedy_model(model, prompts, max_new_tokens)
+
+
+@torch.no_grad()
+def hf_greedy_model(model, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decoding with transformers' own KV cache; EOS does not stop it (as ignore_eos)."""
     model.eval()
     outs, first_logits = [], []
     for prompt in prompts:
-        ids = list(prompt)
+        out = model(torch.tensor([prompt]), use_cache=True)
+        generated = []
         for step in range(max_new_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1]
+            logits = out.logits[0, -1]
             if step == 0:
                 first_logits.append(logits)
-            ids.append(int(logits.argmax()))
-        outs.append(ids[len(prompt):])
+            generated.append(int(logits.argmax()))
+            out = model(torch.tensor([[generated[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        outs.append(generated)
     return outs, first_logits

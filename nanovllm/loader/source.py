@@ -15,10 +15,6 @@ class ModelSource:
     eos_token_ids: set[int]
 
 
-def is_gguf_file(path: str) -> bool:
-    return os.path.isfile(path) and path.lower().endswith(".gguf")
-
-
 def _ids(value) -> set[int]:
     if value is None:
         return set()
@@ -39,7 +35,9 @@ def resolve_model(model: str | None, tokenizer_path: str | None = None) -> Model
     if not os.path.exists(model):
         raise FileNotFoundError(f"model path {model!r} does not exist")
 
-    if is_gguf_file(model):
+    from nanovllm.loader.gguf import is_gguf
+
+    if is_gguf(model):
         from nanovllm.loader.gguf import load_gguf_config, load_gguf_tokenizer
         hf_config = load_gguf_config(model)
         tokenizer = _auto_tokenizer(tokenizer_path) if tokenizer_path else load_gguf_tokenizer(model)

@@ -98,8 +98,7 @@ def checkpoint_tensors(model: nn.Module, model_path: str, config, device: torch.
     """The tensors to load, by the engine's load_format (auto: GGUF for a .gguf file, else safetensors)."""
     if config.load_format == "dummy":
         return dummy_tensors(model, config.seed, device)
-    from nanovllm.loader.source import is_gguf_file
-    if config.load_format == "gguf" or (config.load_format == "auto" and is_gguf_file(model_path)):
-        from nanovllm.loader.gguf import iter_gguf_tensors
+    from nanovllm.loader.gguf import is_gguf, iter_gguf_tensors
+    if config.load_format == "gguf" or (config.load_format == "auto" and is_gguf(model_path)):
         return iter_gguf_tensors(model_path, config.torch_dtype)
     return iter_safetensors(model_path)

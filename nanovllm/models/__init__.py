@@ -25,8 +25,15 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
 }
 
 
+# a config without `architectures` is recognised by its model_type
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+
+
 def model_class(config) -> type[DecoderForCausalLM]:
     architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures and getattr(config, "model_type", None) in MODEL_TYPES:
+        architectures = [MODEL_TYPES[config.model_type]]
     for name in architectures:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]

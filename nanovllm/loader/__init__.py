@@ -1,0 +1,1 @@
+"""Weight loaders: GGUF files and the embedded default model."""
