@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,11 @@ def needs_sample(seq: Sequence) -> bool:
 
 
 def prepare_batch(seqs: list[Sequence], block_size: int, device: torch.device) -> StepBatch:
-    """Inputs for one step. Sequences come decodes first; a decode's input is its last token."""
+    """Inputs for one step. Sequences come decodes first; a decode's input is its last token.
+
+    Everything is computed with numpy over the whole batch, packed into two host buffers (int64 and int32)
+    and sent with one non-blocking copy each (from pinned memory on CUDA).
+    """
     num_seqs = len(seqs)
     query_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=num_seqs)
     context_lens = np.fromiter((s.num_cached_tokens for s in seqs), dtype=np.int64, count=num_seqs)
@@ -36,43 +41,38 @@ def prepare_batch(seqs: list[Sequence], block_size: int, device: torch.device) -
     np.cumsum(query_lens, out=cu_seqlens_q[1:])
     num_tokens = int(cu_seqlens_q[-1])
 
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    for i, seq in enumerate(seqs):
-        start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
-        if seq.is_prefill:
-            input_ids[start:end] = seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens]
-        else:
-            input_ids[start] = seq.last_token
+    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_seqs
+    # one token each; a one-token prefill chunk may sit here too, and its token need not be the last one
+    decode_ids = np.fromiter((s.token_ids[s.num_cached_tokens] if s.is_prefill else s.last_token
+                              for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes)
+    prefill_ids = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]
+                   for s in seqs[num_decodes:]]
+    input_ids = np.concatenate([decode_ids, *map(np.asarray, prefill_ids)]) if prefill_ids else decode_ids
 
     # position of each token = its request's context length + its index within the request's chunk
     token_seq = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.arange(num_tokens) - cu_seqlens_q[token_seq] + context_lens[token_seq]
 
-    max_blocks = max(len(s.block_table) for s in seqs)
-    block_tables = np.full((num_seqs, max_blocks), -1, dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        block_tables[i, :len(seq.block_table)] = seq.block_table
+    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=num_seqs)
+    block_tables = np.full((num_seqs, int(table_lens.max())), -1, dtype=np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(table_lens.sum()))
     slot_mapping = block_tables[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-    num_decodes = 0
-    while num_decodes < num_seqs and query_lens[num_decodes] == 1:
-        num_decodes += 1
     sampled = [i for i, s in enumerate(seqs) if needs_sample(s)]
     sample_rows = cu_seqlens_q[1:][sampled] - 1
 
-    pin = device.type == "cuda"
-
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if pin:
-            tensor = tensor.pin_memory()
-        return tensor.to(device, non_blocking=True)
+    longs = _to_device(np.concatenate([input_ids, positions, slot_mapping, sample_rows]), device)
+    ints = _to_device(np.concatenate([cu_seqlens_q.astype(np.int32), seq_lens.astype(np.int32),
+                                      block_tables.ravel()]), device)
+    input_ids_t, positions_t, slots_t, sample_t = longs.split([num_tokens, num_tokens, num_tokens, len(sampled)])
+    cu_t, seq_lens_t, tables_t = ints.split([num_seqs + 1, num_seqs, block_tables.size])
 
     meta = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping),
-        cu_seqlens_q=to_device(cu_seqlens_q.astype(np.int32)),
-        seq_lens=to_device(seq_lens.astype(np.int32)),
-        block_tables=to_device(block_tables),
+        slot_mapping=slots_t,
+        cu_seqlens_q=cu_t,
+        seq_lens=seq_lens_t,
+        block_tables=tables_t.view(block_tables.shape),
         num_decodes=num_decodes,
         num_decode_tokens=num_decodes,
         max_query_len=int(query_lens.max()),
@@ -81,10 +81,17 @@ def prepare_batch(seqs: list[Sequence], block_size: int, device: torch.device) -
         seq_lens_host=seq_lens.tolist(),
     )
     return StepBatch(
-        input_ids=to_device(input_ids),
-        positions=to_device(positions),
+        input_ids=input_ids_t,
+        positions=positions_t,
         meta=meta,
-        sample_indices=to_device(np.asarray(sample_rows, dtype=np.int64)),
+        sample_indices=sample_t,
         sampled_seq_indices=sampled,
         is_decode_only=num_decodes == num_seqs,
     )
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

@@ -6,8 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.compile import cuda_compiled
+
+
+@cuda_compiled
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.layers.compile import cuda_compiled
+
 
 def rope_parameters(config) -> dict:
     """The config's RoPE settings as one dict, across transformers versions (rope_parameters vs rope_scaling)."""
@@ -45,9 +47,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rotary(positions, q, k, self.cos, self.sin)
+
+
+@cuda_compiled
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

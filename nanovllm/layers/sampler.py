@@ -1,21 +1,193 @@
-"""Token sampling on the device without a host sync: greedy, or Gumbel-max via exponential noise."""
+"""Token sampling for a whole batch in one vectorised pass on the device, without a host sync.
+
+Per row of logits, in this order (vLLM's):
+
+    raw logits --> logprobs (log_softmax of the raw logits, for rows that report them)
+        |
+        min_tokens mask (EOS / stop ids -> -inf) -> penalties -> argmax = the greedy token
+        |
+        / temperature -> min_p -> top_k -> top_p -> argmax(probs / Exponential(1) noise) = the sampled token
+
+argmax(p / E) with E ~ Exponential(1) is a sample from p (the Gumbel-max trick in another form), and needs no
+cumulative sum and no host sync. A seeded row draws its noise from its own generator, so its tokens depend on
+its seed alone, not on the batch around it. Each stage runs only when some row in the batch uses it (the flags
+and sizes in SamplingTensors are plain Python values, known without looking at the device), and then as one
+batched operation over the rows: a row that does not use a stage passes through it unchanged.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 
-class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        """logits: [num_seqs, vocab] float32; temperatures: [num_seqs] (0 = greedy) -> token ids [num_seqs].
+@dataclass
+class SamplingTensors:
+    """One step's per-row sampling settings, on the device. B = rows (sequences that get a token), V = vocab.
 
-        argmax(p / E) with E ~ Exponential(1) is a sample from p, and needs no cumulative sum or host sync.
+    Optional parts are None when no row needs them, so the sampler skips their stage.
+    """
+
+    temperatures: torch.Tensor  # [B] float32; 0 = greedy
+    all_greedy: bool = False
+    top_k: torch.Tensor | None = None  # [B] int64; 0 = off
+    max_top_k: int = 0  # the largest top_k in the batch, for a cheap topk() when no row uses top_p
+    top_p: torch.Tensor | None = None  # [B] float32; 1 = off
+    min_p: torch.Tensor | None = None  # [B] float32; 0 = off
+    # min_tokens: (row, token id) pairs forced to -inf
+    banned_rows: torch.Tensor | None = None  # [num_banned] int64
+    banned_tokens: torch.Tensor | None = None  # [num_banned] int64
+    # penalties, for the rows that use any (R of them)
+    penalty_rows: torch.Tensor | None = None  # [R] int64
+    presence_penalties: torch.Tensor | None = None  # [R] float32
+    frequency_penalties: torch.Tensor | None = None  # [R] float32
+    repetition_penalties: torch.Tensor | None = None  # [R] float32
+    output_counts: torch.Tensor | None = None  # [R, V] float32: occurrences of each token in the output so far
+    prompt_mask: torch.Tensor | None = None  # [R, V] bool: token occurs in the prompt
+    # row -> its own generator (seeded requests)
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # logprobs, for the rows that report them (L of them)
+    logprob_rows: torch.Tensor | None = None  # [L] int64
+    num_logprobs: int = 0  # top-k width (the largest request in the batch)
+
+
+@dataclass
+class SampledLogprobs:
+    """Log-probabilities (of the raw logits) for the rows in SamplingTensors.logprob_rows."""
+
+    sampled: torch.Tensor  # [L] float32: the sampled token's
+    ranks: torch.Tensor  # [L] int64: 1 + how many tokens are strictly more likely than the sampled one
+    top_ids: torch.Tensor  # [L, num_logprobs] int64, most likely first
+    top_logprobs: torch.Tensor  # [L, num_logprobs] float32
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: SampledLogprobs | None = None
+
+
+# -- stages (each a pure function of tensors, also used by tests as references to compare against) ----------------
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor | None,
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over the output, then vLLM's repetition penalty over prompt + output.
+
+    logits, output_counts: [R, V]; prompt_mask: [R, V] bool (None: no prompt tokens count); penalties: [R].
+    """
+    seen = output_counts > 0
+    if prompt_mask is not None:
+        seen = seen | prompt_mask
+    rep = repetition.unsqueeze(1)
+    # A positive logit shrinks and a negative one grows in magnitude: both make the token less likely for rep > 1.
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, repeated, logits)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with probability < min_p * (the top probability): in log space, logit < max + log(min_p)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)  # log(0) = -inf: no filter
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k largest logits (0 = all); one topk() of the batch's largest k, no full sort."""
+    vocab = logits.shape[-1]
+    max_top_k = min(max_top_k, vocab)
+    top = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
+    k = top_k.clamp(1, max_top_k)
+    kth = top.gather(1, (k - 1).unsqueeze(1))
+    kth = torch.where((top_k > 0).unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """top_k (0 = off) then top_p (1 = off) over one sort of each row, most likely first.
+
+    top_p keeps the smallest set of most likely tokens whose probability (after top_k) sums to >= top_p: a token
+    stays while the tokens ranked above it hold less than top_p, so the most likely token always stays. The sort
+    is stable: among equal logits the lowest token id ranks first, as in argmax, so a tiny top_p is exactly greedy.
+    """
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        kth = ordered.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
+        ordered = ordered.masked_fill((ordered < kth) & (top_k > 0).unsqueeze(1), float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # rounding must not touch top_p=1 rows
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SampledLogprobs:
+    """logprobs: [L, V] (log-softmaxed); token_ids: [L] -> each token's logprob and rank, and the top num_top."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [L, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if num_top > 0:
+        top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    else:
+        top_logprobs = logprobs.new_empty(logprobs.shape[0], 0)
+        top_ids = token_ids.new_empty(logprobs.shape[0], 0)
+    return SampledLogprobs(chosen.squeeze(1), ranks, top_ids, top_logprobs)
+
+
+def exponential_noise(shape: torch.Size, device: torch.device, generator: torch.Generator | None,
+                      generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential(1) noise; a row with its own generator gets a fresh draw from it (depends on it alone)."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(1.0, generator=generator)
+    for row, row_generator in generators.items():  # the seeded rows only: a loop over requests, not the vocab
+        noise[row].exponential_(1.0, generator=row_generator)
+    # exponential_ should never give 0, but p / 0 for a filtered token (p = 0) would be NaN, which argmax picks
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, params: SamplingTensors | torch.Tensor,
+                generator: torch.Generator | None = None) -> SamplerOutput:
+        """logits: [B, V] -> SamplerOutput (token ids [B], and logprobs for the rows that report them).
+
+        params may also be a plain [B] tensor of temperatures (0 = greedy), for temperature-only sampling.
+        The input logits are never modified in place.
         """
+        if isinstance(params, torch.Tensor):
+            params = SamplingTensors(temperatures=params)
+        logits = logits.float()
+        sampled_logprobs = None
+        raw_logprobs = None
+        if params.logprob_rows is not None:
+            raw_logprobs = torch.log_softmax(logits[params.logprob_rows], dim=-1)
+
+        if params.banned_rows is not None:
+            logits = logits.index_put((params.banned_rows, params.banned_tokens), logits.new_full((), float("-inf")))
+        if params.penalty_rows is not None:
+            rows = params.penalty_rows
+            penalised = apply_penalties(logits[rows], params.output_counts, params.prompt_mask,
+                                        params.presence_penalties, params.frequency_penalties,
+                                        params.repetition_penalties)
+            logits = logits.index_copy(0, rows, penalised)
+
         greedy = logits.argmax(dim=-1)
-        scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
-        probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(temperatures == 0, greedy, sampled)
+        if params.all_greedy:
+            token_ids = greedy
+        else:
+            temperatures = params.temperatures
+            is_greedy = temperatures == 0
+            scaled = logits / torch.where(is_greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
+            if params.min_p is not None:
+                scaled = apply_min_p(scaled, params.min_p)
+            if params.top_p is not None:
+                scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
+            elif params.top_k is not None:
+                scaled = apply_top_k(scaled, params.top_k, params.max_top_k)
+            probs = torch.softmax(scaled, dim=-1)
+            noise = exponential_noise(probs.shape, probs.device, generator, params.generators)
+            sampled = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(is_greedy, greedy, sampled)
+
+        if raw_logprobs is not None:
+            sampled_logprobs = compute_logprobs(raw_logprobs, token_ids[params.logprob_rows], params.num_logprobs)
+        return SamplerOutput(token_ids, sampled_logprobs)

@@ -99,3 +99,18 @@ def test_abort_frees_blocks():
     assert sched.abort(a)
     assert a.finish_reason == "abort" and sched.is_finished()
     assert sched.block_manager.num_free_blocks == 64
+
+
+def test_one_token_chunk_in_the_decode_region_reads_its_own_token():
+    """A 1-token prefill chunk counts as a 'decode' row; its input must be the chunk's token, not the last."""
+    import torch
+
+    from nanovllm.engine.batch import prepare_batch
+    a = seq(10)
+    a.block_table = [0, 1, 2]
+    a.num_cached_tokens, a.num_scheduled_tokens = 3, 1
+    batch = prepare_batch([a], BLOCK, torch.device("cpu"))
+    assert batch.meta.num_decodes == 1
+    assert batch.input_ids.tolist() == [4] and batch.positions.tolist() == [3]
+    assert batch.meta.slot_mapping.tolist() == [3]
+    assert batch.sampled_seq_indices == []
