@@ -15,9 +15,11 @@ class LLM(LLMEngine):
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; results in input order.
+        """Generate for every prompt; results in input order, one RequestOutput per prompt (with
+        ``outputs[0..n-1]`` for SamplingParams.n samples).
 
         prompts: a string, a list of token ids, or a list of either (or of {"prompt_token_ids": [...]}).
+        sampling_params: one for all prompts, or one per prompt.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -42,9 +44,10 @@ class LLM(LLMEngine):
         try:
             while pending:
                 for seq in self.step():
-                    if seq.is_finished and seq.request_id in pending:
-                        pending.discard(seq.request_id)
-                        results[seq.request_id] = self.pop_finished(seq.request_id)
+                    request_id = seq.request_id
+                    if seq.is_finished and request_id in pending and self.is_request_finished(request_id):
+                        pending.discard(request_id)
+                        results[request_id] = self.pop_finished(request_id)
                         bar.update(1)
                 stats = self.last_step
                 if stats.seconds > 0:

@@ -1,4 +1,7 @@
-"""Results shaped like vLLM's: a RequestOutput per prompt holding one CompletionOutput per sample."""
+"""Results shaped like vLLM's: a RequestOutput per prompt holding one CompletionOutput per sample.
+
+Both also answer dict-style access (``out["text"]``), which older callers of this engine use.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +9,41 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability under the model's raw distribution, as vLLM reports it."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None  # the token's own text
+
+
+# Per generated token: {token id: Logprob} with the sampled token and the top-``logprobs`` alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token; the first is None (nothing precedes it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
-    index: int
+    index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", or None while unfinished
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
-    cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs; only with logprobs
+    logprobs: SampleLogprobs | None = None  # one entry per token id; only with logprobs
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __getitem__(self, key: str):
+        if key in _COMPLETION_KEYS:
+            return getattr(self, key)
+        raise KeyError(key)
+
+
+_COMPLETION_KEYS = ("index", "text", "token_ids", "finish_reason", "stop_reason", "cumulative_logprob", "logprobs")
 
 
 @dataclass
@@ -25,9 +51,10 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = False
+    outputs: list[CompletionOutput] = field(default_factory=list)  # index 0..n-1
+    finished: bool = False  # every sample finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None
 
     # The first sample's fields, for the common n=1 case; also reachable as out["text"] etc.
     @property
@@ -43,8 +70,9 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     def __getitem__(self, key: str):
-        if key in ("text", "token_ids", "finish_reason"):
+        if key in ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "num_cached_tokens",
+                   "prompt_logprobs"):
             return getattr(self, key)
-        if key in ("request_id", "prompt", "prompt_token_ids", "outputs", "finished"):
-            return getattr(self, key)
+        if key in _COMPLETION_KEYS:
+            return self.outputs[0][key]
         raise KeyError(key)

@@ -1,9 +1,14 @@
-"""SamplingParams: how one request samples and when it stops (vLLM-shaped, validated on construction)."""
+"""SamplingParams: how one request samples and when it stops (vLLM's fields and ranges, validated on construction)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+# Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+# The most top-logprobs a request may ask for, per generated or prompt token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 def _check_number(name: str, value, *, integer: bool = False) -> None:
@@ -15,24 +20,159 @@ def _check_number(name: str, value, *, integer: bool = False) -> None:
         raise ValueError(f"{name} must be finite, got {value}.")
 
 
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}.")
+
+
+def _check_logprobs(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if value is True:  # vLLM reads logprobs=True as 1
+        return 1
+    _check_number(name, value, integer=True)
+    if value == -1 or value > MAX_LOGPROBS:  # -1 asks for the whole vocabulary: more than the cap
+        raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.")
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value}.")
+    return value
+
+
 @dataclass
 class SamplingParams:
-    """Sampling settings of one request. ``temperature=0`` means greedy decoding."""
+    """Sampling settings of one request, with vLLM's names, defaults, ranges and meaning.
 
+    Order of operations on a row of logits (what the sampler does): ``min_tokens`` masks EOS and
+    ``stop_token_ids``; the penalties; greedy takes the argmax here; otherwise divide by ``temperature``, then
+    ``min_p``, ``top_k`` and ``top_p`` filter, and one token is drawn from what is left. ``logprobs`` report
+    the model's raw distribution (log-softmax of the logits before any of these steps), as vLLM does by default.
+
+    Fields:
+      n: samples of the prompt returned in ``RequestOutput.outputs`` (they share the prompt's KV blocks).
+      temperature: 0 (or below 1e-5) means greedy decoding; then top_p/top_k/min_p are reset to "off".
+      top_p: in (0, 1]; keep the fewest most-likely tokens whose probability adds up to at least top_p.
+      top_k: 0 or -1 = off; else keep the top_k most-likely tokens.
+      min_p: in [0, 1]; drop tokens whose probability is below min_p times the most likely one's.
+      presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token already
+        generated (once, resp. once per occurrence). Prompt tokens do not count.
+      repetition_penalty: > 0; tokens seen in the prompt or the output get their logit divided by it when
+        positive, multiplied when negative (1 = off).
+      seed: a per-request random generator, so the request draws the same tokens whatever else runs beside
+        it; sample i of n > 1 uses seed + i. None (or -1) uses the engine's generator.
+      stop: string(s) that end the output; cut from the text unless include_stop_str_in_output. Normalised
+        to a list (None -> []).
+      stop_token_ids: token ids that end the output (kept in token_ids; their text is left out). A list.
+      ignore_eos: keep generating past EOS.
+      max_tokens: the most tokens to generate; None = until max_model_len.
+      min_tokens: no EOS or stop token id can be sampled before this many tokens.
+      logprobs: None, or how many top alternatives to report per generated token (0..20), besides the sampled
+        token's own log-probability; also turns on ``cumulative_logprob``.
+      prompt_logprobs: None, or the same for each prompt token (the first prompt token has None).
+      detokenize, skip_special_tokens, spaces_between_special_tokens: how token ids become text.
+      include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
-    max_tokens: int = 16
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        _check_number("n", self.n, integer=True)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative (0 means greedy), got {self.temperature}.")
-        _check_number("max_tokens", self.max_tokens, integer=True)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}.")
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _check_number("top_k", self.top_k, integer=True)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+
+        if self.seed is not None:
+            _check_number("seed", self.seed, integer=True)
+            if self.seed == -1:
+                self.seed = None
+
+        if self.max_tokens is not None:
+            _check_number("max_tokens", self.max_tokens, integer=True)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check_number("min_tokens", self.min_tokens, integer=True)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}.")
+
+        self.logprobs = _check_logprobs("logprobs", self.logprobs)
+        self.prompt_logprobs = _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+
+        if self.stop is None:
+            stops = []
+        elif isinstance(self.stop, str):
+            stops = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            stops = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if any(not s for s in stops):
+            raise ValueError("stop cannot contain an empty string.")
+        if stops and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True. "
+                             "Set detokenize=True to use stop.")
+        self.stop = list(dict.fromkeys(stops))  # normalised to a list, as vLLM does
+
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}.")
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: the filters cannot change an argmax, so turn them off (as vLLM does).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

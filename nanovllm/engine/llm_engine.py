@@ -5,16 +5,45 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.config import EngineConfig, model_max_len
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.sampling import RunnerOutput, TokenLogprobs
 from nanovllm.engine.scheduler import Scheduler, SchedulerConfig
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.loader.source import resolve_model
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
+
+
+@dataclass
+class SampleState:
+    """One of a request's n samples: its sequence, text and logprobs."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer or with detokenize=False
+    logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    pending: list[Sequence] = field(default_factory=list)  # samples 1..n-1 waiting for sample 0's prompt
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with SamplingParams.prompt_logprobs
+    num_prompt_logprobs_missing: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens sample 0 found in the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.seq.is_finished for sample in self.samples)
 
 
 @dataclass
@@ -58,8 +87,9 @@ class LLMEngine:
             kvcache_block_size=config.kvcache_block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         ), self.eos_token_ids)
-        self.requests: dict[str, tuple[Sequence, str | None]] = {}
+        self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.last_step = StepStats()
 
     # -- requests -------------------------------------------------------------------------------------------------
@@ -98,39 +128,89 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: it must be "
                              f"shorter, leaving room for at least one generated token.")
-        longest = min(n + params.max_tokens, self.max_model_len)
+        longest = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
         capacity = self.num_kvcache_blocks * self.config.kvcache_block_size
         if longest > capacity:
             raise ValueError(f"the request needs up to {longest} tokens of KV cache (prompt {n} + max_tokens "
                              f"{params.max_tokens}), but the whole pool holds {capacity}; raise "
                              f"num_kvcache_blocks or the KV cache memory, or lower max_tokens.")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this model has none; "
+                             "use stop_token_ids.")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size}).")
+        if (params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1
+                and not getattr(self.runner, "supports_prompt_logprobs", False)):
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet.")
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        """Queue a request (its n samples) and return its id.
+
+        Sample 0 goes to the scheduler now; samples 1..n-1 join once sample 0's prompt is computed (right after
+        its first token), so they find the prompt's full blocks in the prefix cache instead of recomputing them.
+        """
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_request(token_ids, params)
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        seq = Sequence(token_ids, params)
-        self.requests[request_id] = (seq, text)
-        seq.request_id = request_id
-        self.scheduler.add(seq)
+        stop_ids = tuple(sorted(t for t in set(self.scheduler.eos_token_ids) | set(params.stop_token_ids)
+                                if 0 <= t < self.vocab_size))
+        samples = []
+        for index in range(params.n):
+            seq = Sequence(token_ids, params)
+            seq.request_id = request_id
+            seq.index = index
+            seq.min_tokens_stop_ids = stop_ids if params.min_tokens > 0 else ()
+            detokenizer = None
+            if self.tokenizer is not None and params.detokenize:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
+            with_logprobs = params.logprobs is not None
+            samples.append(SampleState(seq, detokenizer, [] if with_logprobs else None,
+                                       0.0 if with_logprobs else None))
+        state = RequestState(request_id, text, token_ids, params, samples, pending=[s.seq for s in samples[1:]])
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(token_ids)
+            state.num_prompt_logprobs_missing = len(token_ids) - 1
+            samples[0].seq.needs_prompt_logprobs = len(token_ids) > 1
+        self.requests[request_id] = state
+        self.scheduler.add(samples[0].seq)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        entry = self.requests.pop(request_id, None)
-        if entry is None:
+        """Stop a request now and forget it; False if it is unknown or had already finished."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
             return False
-        return self.scheduler.abort(entry[0])
+        aborted = False
+        for sample in state.samples:
+            seq = sample.seq
+            if seq.is_finished:
+                continue
+            if not self.scheduler.abort(seq):  # a sample not yet handed to the scheduler
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+            aborted = True
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
 
+    def is_request_finished(self, request_id: str) -> bool:
+        return self.requests[request_id].finished
+
     # -- steps --------------------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one engine step; returns the sequences that received a token (finished ones included)."""
+        """Run one engine step; returns the sequences that received a token (finished ones included).
+
+        A sequence carries ``request_id`` (its request) and ``index`` (which of the request's n samples); a
+        request is finished when ``is_request_finished`` says so (every sample finished).
+        """
         start = time.perf_counter()
         seqs = self.scheduler.schedule()
         if not seqs:
@@ -138,18 +218,108 @@ class LLMEngine:
             return []
         prefill = sum(s.num_scheduled_tokens for s in seqs if s.is_prefill)
         decode = sum(1 for s in seqs if not s.is_prefill)
-        token_ids = self.runner.run(seqs)
-        self.scheduler.postprocess(seqs, token_ids)
+        for seq in seqs:
+            if seq.is_prefill and seq.index == 0:
+                state = self.requests.get(seq.request_id)
+                if state is not None and state.num_cached_tokens is None:
+                    state.num_cached_tokens = seq.num_cached_tokens  # what the prefix cache served
+        output = self.runner.run(seqs)
+        self.scheduler.postprocess(seqs, output.token_ids)
+        self._record(seqs, output)
         self.last_step = StepStats(prefill, decode, time.perf_counter() - start)
-        return [s for s, t in zip(seqs, token_ids) if t is not None]
+        return [s for s, t in zip(seqs, output.token_ids, strict=True) if t is not None]
 
+    def _record(self, seqs: list[Sequence], output: RunnerOutput) -> None:
+        """Take in the step's logprobs, check stop strings, and start the other samples of n > 1 requests."""
+        for i, run in output.prompt_logprobs.items():
+            state = self.requests.get(seqs[i].request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            for position, entry in enumerate(run.entries, start=run.first_position):
+                if state.prompt_logprobs[position] is None:
+                    state.num_prompt_logprobs_missing -= 1
+                state.prompt_logprobs[position] = self._logprob_dict(entry)
+            if state.num_prompt_logprobs_missing == 0:
+                seqs[i].needs_prompt_logprobs = False  # a recompute after preemption needs no logits again
+        for seq, token_id, logprobs in zip(seqs, output.token_ids, output.logprobs, strict=True):
+            if token_id is None:
+                continue
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            sample = state.samples[seq.index]
+            if sample.logprobs is not None and logprobs is not None:
+                sample.logprobs.append(self._logprob_dict(logprobs))
+                sample.cumulative_logprob += logprobs.logprob
+            if state.params.stop:
+                self._update_text(sample)  # stop strings are checked every step; other text waits for make_output
+            if state.pending:
+                for child in state.pending:  # sample 0's prompt blocks are cached now: the rest share them
+                    self.scheduler.add(child, first=True)
+                state.pending = []
+
+    def _update_text(self, sample: SampleState) -> None:
+        """Feed the sample's new tokens to its detokenizer; a stop string ends the sample with reason "stop"."""
+        seq, detokenizer = sample.seq, sample.detokenizer
+        end = seq.num_completion_tokens
+        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        if stopped_by_token and not seq.sampling_params.include_stop_str_in_output:
+            end -= 1  # the EOS / stop token's text is left out, as vLLM does
+        stop = None
+        if detokenizer.num_tokens < end:
+            base = seq.num_prompt_tokens
+            stop = detokenizer.update(seq.token_ids[base + detokenizer.num_tokens:base + end])
+        if seq.is_finished and stop is None:
+            stop = detokenizer.finish()
+        if stop is not None:
+            if seq.is_finished:  # it also reached its length limit with this token: the stop string wins
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop)
+            detokenizer.finish()
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        """{token id: Logprob}: the scored token first, then the top alternatives (ranks 1, 2, ...)."""
+        result = {entry.token_id: Logprob(entry.logprob, entry.rank, self._token_text(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs, strict=True), start=1):
+            if token_id not in result:
+                result[token_id] = Logprob(logprob, rank, self._token_text(token_id))
+        return result
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    # -- outputs ------------------------------------------------------------------------------------------------
     def make_output(self, request_id: str) -> RequestOutput:
-        seq, text = self.requests[request_id]
-        completion = seq.completion_token_ids
-        decoded = self.decode(completion) if seq.is_finished else ""
-        output = CompletionOutput(index=0, text=decoded, token_ids=completion, finish_reason=seq.finish_reason)
-        return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=seq.prompt_token_ids,
-                             outputs=[output], finished=seq.is_finished)
+        """The request's output so far (cumulative): one CompletionOutput per sample, index 0..n-1.
+
+        For streaming. While a sample is unfinished, its ``text`` is the text of its tokens so far, minus any
+        ending that could still become the start of a stop string (held back until decided) and minus an
+        incomplete multi-byte character; so between two calls ``text`` only grows (take the new suffix as the
+        delta), and the finished text is final (stop string cut, unless include_stop_str_in_output). token_ids
+        and logprobs (one entry per token id) also only grow. Call it from the thread that steps the engine.
+        """
+        state = self.requests[request_id]
+        outputs = []
+        for sample in state.samples:
+            seq = sample.seq
+            text = ""
+            if sample.detokenizer is not None:
+                self._update_text(sample)
+                text = sample.detokenizer.output_text(seq.is_finished)
+            outputs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, cumulative_logprob=sample.cumulative_logprob,
+                logprobs=list(sample.logprobs) if sample.logprobs is not None else None))
+        prompt_logprobs = list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
+        return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                             outputs=outputs, finished=state.finished, num_cached_tokens=state.num_cached_tokens or 0,
+                             prompt_logprobs=prompt_logprobs)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -9,6 +9,14 @@ import torch
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.engine.batch import StepBatch, prepare_batch
+from nanovllm.engine.sampling import (
+    RunnerOutput,
+    build_sampling_tensors,
+    compute_prompt_logprobs,
+    logprob_entries,
+    prompt_logprob_rows,
+    wants_prompt_logprobs,
+)
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
@@ -51,7 +59,7 @@ class ModelRunner:
         self.backend = make_attention_backend(config)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.num_kvcache_blocks = self._decide_num_blocks()
+        self.num_kvcache_blocks = self._agree_across_ranks(self._decide_num_blocks())
         self._allocate_kv_cache(self.num_kvcache_blocks)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -79,6 +87,15 @@ class ModelRunner:
             raise ValueError(f"the KV cache has room for no block of {self.block_size} tokens "
                              f"({self.kv_bytes_per_block} bytes each); give it more memory.")
         return int(num_blocks)
+
+    def _agree_across_ranks(self, num_blocks: int) -> int:
+        """Every tensor-parallel rank must use the same pool size: the smallest any rank can hold."""
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return num_blocks
+        value = torch.tensor([num_blocks], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return int(value.item())
 
     def _profile_free_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after a forward at the largest batch."""
@@ -123,20 +140,41 @@ class ModelRunner:
             return self.model(batch.input_ids, batch.positions)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int | None]:
-        """Compute the scheduled tokens; the next token of each sequence that reached its end (else None)."""
+    def run(self, seqs: list[Sequence], prompt_logprob_seqs: list[int] | None = None) -> RunnerOutput:
+        """Compute the scheduled tokens, and sample the next token of each sequence that reached its end.
+
+        prompt_logprob_seqs: batch indices of sequences whose scheduled prompt rows also need logits (for
+        prompt_logprobs). None derives them from the sequences (``needs_prompt_logprobs``), which only rank 0's
+        Sequences carry: a tensor-parallel driver must compute the list on rank 0 and give every rank the same.
+        """
         batch = prepare_batch(seqs, self.block_size, self.device)
         if self.graphs is not None and batch.is_decode_only and self.graphs.fits(len(seqs)):
             hidden = self.graphs.replay(batch)
         else:
             hidden = self._forward(batch)
-        logits = self.model.compute_logits(hidden[batch.sample_indices])
-        tokens: list[int | None] = [None] * len(seqs)
+        return self._sample(seqs, batch, hidden, prompt_logprob_seqs)
+
+    def _sample(self, seqs: list[Sequence], batch: StepBatch, hidden: torch.Tensor,
+                prompt_logprob_seqs: list[int] | None) -> RunnerOutput:
+        output = RunnerOutput(token_ids=[None] * len(seqs), logprobs=[None] * len(seqs))
+        logits = self.model.compute_logits(hidden[batch.sample_indices])  # every rank: the LM head gathers
+        if prompt_logprob_seqs is None:
+            prompt_logprob_seqs = [i for i, s in enumerate(seqs) if wants_prompt_logprobs(s)]
+        plan = prompt_logprob_rows(seqs, prompt_logprob_seqs) if prompt_logprob_seqs else []
+        if plan:
+            output.prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, seqs, plan)
         if logits is None or not batch.sampled_seq_indices:
-            return tokens
-        temperatures = torch.tensor([seqs[i].temperature for i in batch.sampled_seq_indices],
-                                    dtype=torch.float32).to(self.device, non_blocking=True)
-        sampled = self.sampler(logits.float(), temperatures, self.generator).tolist()
-        for i, token in zip(batch.sampled_seq_indices, sampled):
-            tokens[i] = token
-        return tokens
+            return output
+        sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices]
+        params = build_sampling_tensors(sampled_seqs, logits.shape[-1], self.device)
+        result = self.sampler(logits, params, self.generator)
+        token_ids = result.token_ids.tolist()
+        for i, token in zip(batch.sampled_seq_indices, token_ids, strict=True):
+            output.token_ids[i] = token
+        if result.logprobs is not None:
+            rows = [j for j, s in enumerate(sampled_seqs) if s.sampling_params.logprobs is not None]
+            entries = logprob_entries(result.logprobs, [token_ids[j] for j in rows],
+                                      [sampled_seqs[j].sampling_params.logprobs for j in rows])
+            for j, entry in zip(rows, entries, strict=True):
+                output.logprobs[batch.sampled_seq_indices[j]] = entry
+        return output

@@ -10,6 +10,8 @@ is preempted: it gives its blocks back and returns to the front of the queue, to
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
@@ -44,8 +46,15 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     # -- queue ------------------------------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue seq last, or with ``first`` ahead of every other waiting request except one whose prefill is
+        under way (it holds blocks and must stay at the head)."""
+        if not first:
+            self.waiting.append(seq)
+        elif self.waiting and self.waiting[0].block_table:
+            self.waiting.insert(1, seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -98,9 +107,10 @@ class Scheduler:
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
                 if not seq.block_table:
-                    if holding >= self.config.max_num_seqs or not self.block_manager.can_allocate(seq):
-                        break
-                    self.block_manager.allocate(seq)
+                    with self._prefix_cache_reads(seq):
+                        if holding >= self.config.max_num_seqs or not self.block_manager.can_allocate(seq):
+                            break
+                        self.block_manager.allocate(seq)
                     holding += 1
                 num_new = min(seq.num_tokens - seq.num_cached_tokens, budget)
                 assert num_new > 0
@@ -113,6 +123,18 @@ class Scheduler:
                 self.waiting.popleft()
                 self.running.append(seq)
         return scheduled
+
+    @contextmanager
+    def _prefix_cache_reads(self, seq: Sequence) -> Iterator[None]:
+        """A request that wants prompt_logprobs computes its whole prompt: a cache hit would skip the rows its
+        logprobs come from (vLLM skips reading the cache for it too). Its blocks are still published."""
+        saved = self.block_manager.enable_prefix_caching
+        if seq.needs_prompt_logprobs:
+            self.block_manager.enable_prefix_caching = False
+        try:
+            yield
+        finally:
+            self.block_manager.enable_prefix_caching = saved
 
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -128,7 +150,7 @@ class Scheduler:
         token_ids[i] is None for a sequence that only computed a chunk of its prompt (nothing sampled).
         """
         finished = []
-        for seq, token_id in zip(seqs, token_ids):
+        for seq, token_id in zip(seqs, token_ids, strict=True):
             if seq.is_prefill:
                 self.stats.num_prompt_tokens_computed += seq.num_scheduled_tokens
             else:
@@ -141,22 +163,43 @@ class Scheduler:
             assert seq.num_cached_tokens == seq.num_tokens
             seq.is_prefill = False
             seq.append_token(token_id)
-            reason = self.stop_reason(seq, token_id)
-            if reason is not None:
+            stop = self.check_stop(seq, token_id)
+            if stop is not None:
                 self.running.remove(seq)
-                self._finish(seq, reason)
+                self._finish(seq, *stop)
                 finished.append(seq)
         return finished
 
-    def stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        if not seq.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
+    def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason) if the token just appended ends seq, else None.
+
+        EOS (unless ignore_eos) and stop_token_ids give "stop" (stop_reason: None for EOS, else the token id),
+        but only once min_tokens tokens exist (the sampler masks them before that); then the length limits.
+        Stop strings are the engine's: they need text (see LLMEngine and the detokenizer).
+        """
+        params = seq.sampling_params
+        if seq.num_completion_tokens > params.min_tokens:
+            if not seq.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+        if seq.max_tokens is not None and seq.num_completion_tokens >= seq.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length", None
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End an unfinished sequence now (the engine's stop strings) and free its blocks."""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self._finish(seq, reason, stop_reason)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.stop_reason = stop_reason
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)

@@ -51,6 +51,13 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.finish_reason: str | None = None
         self.request_id: str | None = None
+        # Sampling state beyond the contract (the engine process only: none of it is pickled to workers).
+        self.index = 0  # which of the request's n samples this is
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+        self.min_tokens_stop_ids: tuple[int, ...] = ()  # EOS + stop_token_ids, masked until min_tokens
+        self.needs_prompt_logprobs = False  # the runner computes logits on its prompt rows while set
+        self.generator = None  # torch.Generator of a seeded request, created by the sampler on first use
+        self.token_array_cache = None  # (numpy buffer, filled) of token_ids, for penalties (engine/sampling.py)
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -1,0 +1,226 @@
+"""Host side of sampling: one step's SamplingTensors from its sequences, and the step's results as Python lists.
+
+Everything here runs once per step over the sequences that get a token (a short loop over requests, never over
+the vocabulary); the tensors go to the device in a few copies, and the results come back in one transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import SampledLogprobs, SamplingTensors, compute_logprobs
+from nanovllm.sampling_params import SAMPLING_EPS
+
+# Prompt rows whose logits are computed at once for prompt_logprobs: bounds the [rows, vocab] logits in memory.
+PROMPT_LOGPROBS_CHUNK = 512
+
+# 64-bit seeds: seed + sample index wraps instead of overflowing torch's manual_seed.
+_SEED_MASK = (1 << 64) - 1
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of one generated (or prompt) token under the model's raw distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_ids: list[int]  # the most likely tokens, best first
+    top_logprobs: list[float]
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens: entry j is for prompt token ``first_position + j`` (>= 1)."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
+class RunnerOutput:
+    """What one step of the runner produced, per sequence of the batch (rank 0; other ranks return no tokens)."""
+
+    token_ids: list[int | None]  # None: the step computed only a chunk of the prompt, nothing was sampled
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per sequence; None if not asked for
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # batch index -> computed run
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    # Small arrays: a plain asynchronous copy (pinning a fresh buffer every step costs more than it saves).
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+def token_array(seq: Sequence) -> np.ndarray:
+    """seq's token ids as int64, cached on the sequence and extended by the new tokens only (they only grow)."""
+    buffer, filled = seq.token_array_cache or (np.empty(0, dtype=np.int64), 0)
+    if filled < seq.num_tokens:
+        if len(buffer) < seq.num_tokens:
+            grown = np.empty(max(seq.num_tokens, 2 * len(buffer)), dtype=np.int64)
+            grown[:filled] = buffer[:filled]
+            buffer = grown
+        buffer[filled:seq.num_tokens] = seq.token_ids[filled:seq.num_tokens]
+        seq.token_array_cache = (buffer, seq.num_tokens)
+    return buffer[:seq.num_tokens]
+
+
+def _token_counts(arrays: list[np.ndarray], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32 occurrence counts of each row's tokens."""
+    width = max(1, max(len(a) for a in arrays))
+    ids = np.full((len(arrays), width), vocab_size, dtype=np.int64)  # padding lands in an extra column
+    for row, a in enumerate(arrays):
+        ids[row, :len(a)] = a
+    ids_t = _to_device(ids, device)
+    counts = torch.zeros(len(arrays), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids_t, torch.ones(ids_t.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def request_generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
+    """The seeded request's own generator (sample i of n uses seed + i), created on first use."""
+    seed = seq.sampling_params.seed
+    if seed is None:
+        return None
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=device).manual_seed((seed + seq.index) & _SEED_MASK)
+    return seq.generator
+
+
+_GREEDY_ROW = (0.0, 1.0, 0, 0.0)
+
+
+def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingTensors:
+    """Per-row settings of the sequences that get a token this step (row i = seqs[i]); one pass over them."""
+    rows: list[tuple] = []  # temperature (0 = greedy), top_p, top_k, min_p
+    generators: dict[int, torch.Generator] = {}
+    banned: list[tuple[int, int]] = []
+    penalised: list[int] = []
+    with_logprobs: list[int] = []
+    any_top_p = any_min_p = False
+    max_top_k = num_sampled = 0
+    for i, seq in enumerate(seqs):
+        p = seq.sampling_params
+        # top_k=1 keeps only the most likely token: exactly greedy (also when logits tie, as they do in bf16).
+        if p.temperature < SAMPLING_EPS or p.top_k == 1:
+            rows.append(_GREEDY_ROW)  # a greedy row's filters do not matter: its token is the argmax
+        else:
+            rows.append((p.temperature, p.top_p, p.top_k, p.min_p))
+            num_sampled += 1
+            any_top_p = any_top_p or p.top_p < 1.0
+            any_min_p = any_min_p or p.min_p > 0.0
+            max_top_k = max(max_top_k, p.top_k)
+            if p.seed is not None:
+                generators[i] = request_generator(seq, device)
+        if p.min_tokens and seq.num_completion_tokens < p.min_tokens:
+            banned.extend((i, t) for t in seq.min_tokens_stop_ids)
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            penalised.append(i)
+        if p.logprobs is not None:
+            with_logprobs.append(i)
+
+    all_greedy = num_sampled == 0
+    if all_greedy:
+        tensors = SamplingTensors(temperatures=torch.zeros(len(seqs), device=device), all_greedy=True)
+    else:
+        # one host->device copy for the four per-row values
+        values = _to_device(np.array(rows, dtype=np.float32).T.copy(), device)
+        tensors = SamplingTensors(temperatures=values[0], generators=generators)
+        if any_top_p:
+            tensors.top_p = values[1]
+        if max_top_k > 0:
+            tensors.top_k, tensors.max_top_k = values[2].long(), max_top_k
+        if any_min_p:
+            tensors.min_p = values[3]
+
+    if banned:
+        pairs = _to_device(np.array(banned, dtype=np.int64).T.copy(), device)
+        tensors.banned_rows, tensors.banned_tokens = pairs[0], pairs[1]
+
+    if penalised:
+        params = [seqs[i].sampling_params for i in penalised]
+        penalties = _to_device(np.array([(p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+                                         for p in params], dtype=np.float32).T.copy(), device)
+        tensors.penalty_rows = _to_device(np.array(penalised, dtype=np.int64), device)
+        tensors.presence_penalties, tensors.frequency_penalties, tensors.repetition_penalties = penalties
+        arrays = [token_array(seqs[i]) for i in penalised]
+        tensors.output_counts = _token_counts([a[seqs[i].num_prompt_tokens:] for i, a in zip(penalised, arrays,
+                                                                                               strict=True)],
+                                              vocab_size, device)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            prompts = [a[:seqs[i].num_prompt_tokens] for i, a in zip(penalised, arrays, strict=True)]
+            tensors.prompt_mask = _token_counts(prompts, vocab_size, device) > 0
+
+    if with_logprobs:
+        tensors.logprob_rows = _to_device(np.array(with_logprobs, dtype=np.int64), device)
+        tensors.num_logprobs = max(seqs[i].sampling_params.logprobs for i in with_logprobs)
+    return tensors
+
+
+def logprob_entries(result: SampledLogprobs, token_ids: list[int], widths: list[int]) -> list[TokenLogprobs]:
+    """The device-side logprobs of L rows as Python objects; row j keeps its own top-``widths[j]``."""
+    logprobs, ranks = result.sampled.tolist(), result.ranks.tolist()
+    top_ids, top_logprobs = result.top_ids.tolist(), result.top_logprobs.tolist()
+    return [TokenLogprobs(token_ids[j], logprobs[j], ranks[j], top_ids[j][:widths[j]], top_logprobs[j][:widths[j]])
+            for j in range(len(token_ids))]
+
+
+# -- prompt logprobs --------------------------------------------------------------------------------------------
+def wants_prompt_logprobs(seq: Sequence) -> bool:
+    # A tensor-parallel worker's Sequence has only the pickled step state, hence getattr.
+    return getattr(seq, "needs_prompt_logprobs", False)
+
+
+def prompt_logprob_rows(seqs: list[Sequence], indices: list[int]) -> list[tuple[int, int, int]]:
+    """(batch index, first hidden row, number of rows) of the prompt positions whose next token is a prompt token.
+
+    Position p's logits predict token p + 1, so a chunk [start, end) of the prompt contributes positions
+    [start, min(end, num_prompt_tokens - 1)): the last prompt position predicts the first generated token.
+    Uses only what a tensor-parallel worker also has (the pickled step state).
+    """
+    offsets = np.cumsum([0] + [s.num_scheduled_tokens for s in seqs])
+    plan = []
+    for i in indices:
+        seq = seqs[i]
+        start = seq.num_cached_tokens
+        end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+        if end > start:
+            plan.append((i, int(offsets[i]), end - start))
+    return plan
+
+
+def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor, seqs: list[Sequence],
+                            plan: list[tuple[int, int, int]]) -> dict[int, PromptLogprobs]:
+    """Logprobs of the prompt tokens in ``plan``, computing logits PROMPT_LOGPROBS_CHUNK rows at a time.
+
+    compute_logits may return None (a tensor-parallel worker): it is still called for every chunk, since the LM
+    head gathers across ranks, and nothing is returned.
+    """
+    device = hidden.device
+    rows = np.concatenate([np.arange(first, first + count) for _, first, count in plan])
+    rows_t = _to_device(rows.astype(np.int64), device)
+    parts = []
+    for start in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
+        logits = compute_logits(hidden[rows_t[start:start + PROMPT_LOGPROBS_CHUNK]])
+        if logits is None:
+            continue
+        if not parts:  # rank 0: the prompt tokens scored and how many alternatives each request wants
+            targets = [t for i, _, count in plan
+                       for t in seqs[i].token_ids[seqs[i].num_cached_tokens + 1:seqs[i].num_cached_tokens + 1 + count]]
+            targets_t = _to_device(np.array(targets, dtype=np.int64), device)
+            widths = [seqs[i].sampling_params.prompt_logprobs for i, _, count in plan for _ in range(count)]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        parts.append(compute_logprobs(logprobs, targets_t[start:start + PROMPT_LOGPROBS_CHUNK], max(widths)))
+    if not parts:
+        return {}
+    merged = SampledLogprobs(*(torch.cat([getattr(p, name) for p in parts])
+                               for name in ("sampled", "ranks", "top_ids", "top_logprobs")))
+    entries = logprob_entries(merged, targets, widths)
+    result, at = {}, 0
+    for i, _, count in plan:
+        result[i] = PromptLogprobs(seqs[i].num_cached_tokens + 1, entries[at:at + count])
+        at += count
+    return result
