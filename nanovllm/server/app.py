@@ -1,0 +1,555 @@
+"""The OpenAI-compatible HTTP app: completions, chat, models, tokenize, health and metrics over an AsyncLLM.
+
+Every failure a client can cause answers in OpenAI's error shape with a 4xx status; a client that disconnects
+has its requests aborted at once (their KV blocks are freed before the engine's next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanovllm.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from nanovllm.outputs import RequestOutput
+from nanovllm.server.metrics import ServerMetrics
+from nanovllm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    chat_logprobs,
+    completion_logprobs,
+    message_dicts,
+    now,
+    param_named_in,
+    prompt_logprobs,
+    random_id,
+    sampling_params,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
+RETRY_AFTER_SECONDS = 1
+
+
+def build_app(llm: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
+              max_request_body_bytes: int | None = None) -> FastAPI:
+    """The app serving ``llm``; requests naming a model must use one of ``served_model_names``.
+
+    api_key: when set, every path but /health and /metrics needs ``Authorization: Bearer <api_key>``.
+    max_request_body_bytes: larger bodies are refused with 413 (None: no limit).
+    """
+    server = OpenAIServer(llm, served_model_names or [llm.engine.model_path])
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # uvicorn has drained the open connections (graceful shutdown): stop the engine loop
+        await asyncio.to_thread(llm.shutdown)
+
+    app = FastAPI(title="nanovllm", version=_version(), lifespan=lifespan)
+    app.state.server = server
+    _add_error_handlers(app)
+    if max_request_body_bytes is not None:
+        app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    return app
+
+
+def _version() -> str:
+    from nanovllm import __version__
+    return __version__
+
+
+# -- errors -----------------------------------------------------------------------------------------------------
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return _error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        return _error_response(APIError(503, str(exc), type="service_unavailable"))
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: Request, exc: QueueFullError):
+        return _error_response(APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("internal error on %s", request.url.path)
+        return _error_response(APIError(500, f"internal server error: {type(exc).__name__}"))
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """A 400 naming the offending top-level field; a union field's several complaints are joined."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
+        return bad_request(f"malformed JSON body: {detail}")
+
+    def field(error) -> str | None:
+        loc = [p for p in error.get("loc", ()) if p != "body"]
+        return str(loc[0]) if loc else None
+
+    param = field(first)
+    same = [e for e in errors if field(e) == param]
+    messages = list(dict.fromkeys(e.get("msg", "invalid value") for e in same))
+    message = "; or ".join(messages[:3])
+    if param is None:
+        return bad_request(f"invalid request body: {message} (send a JSON object, with Content-Type: "
+                           "application/json)")
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return bad_request(f"invalid value for {where if len(same) == 1 else param}: {message}", param=param)
+
+
+# -- middleware (plain ASGI, so streaming and disconnects pass through untouched) -----------------------------
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` matches (compared in constant time); OPEN_PATHS stay open."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+        if not hmac.compare_digest(given, self.expected):
+            error = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await _error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over ``max_bytes`` (by Content-Length, or counted as it streams in)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than the limit of {self.max_bytes} bytes.",
+                        code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await _error_response(self._too_large())(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI re-raises HTTPExceptions met while reading the body; our handler shapes it
+                    raise StarletteHTTPException(413, self._too_large().message)
+            return message
+
+        return await self.app(scope, counting_receive, send)
+
+
+# -- the endpoints ----------------------------------------------------------------------------------------------
+class OpenAIServer:
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str]):
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self.model_names = list(served_model_names)
+        self.model_name = self.model_names[0]
+        self.created = now()
+        self.metrics = ServerMetrics(self.model_name)
+        llm.stats_listeners.append(self.metrics.record)
+
+    # -- small endpoints --------------------------------------------------------------------------------------
+    async def health(self) -> Response:
+        if not self.llm.is_running:
+            return _error_response(APIError(503, "the engine is not running.", type="service_unavailable"))
+        return Response(status_code=200)
+
+    async def metrics_endpoint(self) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "nanovllm",
+             "root": self.engine.model_path, "parent": None, "max_model_len": self.llm.max_model_len}
+            for name in self.model_names]}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'.")
+        if body.messages is not None:
+            tokens = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        else:
+            self._need_tokenizer()
+            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.llm.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        self._need_tokenizer()
+        vocab_size = self.engine.vocab_size
+        for t in body.tokens:
+            if not 0 <= t < vocab_size:
+                raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab_size}).", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    # -- completions ------------------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        self.llm.check_admission()
+        prompts = self._completion_prompts(body.prompt)
+        params = [self._params(body, ids) for _, ids in prompts]
+        request_id = random_id("cmpl")
+        job = _Job(self.llm, raw, request_id,
+                   [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts], params)
+        if body.stream:
+            return _sse(self._stream_completion(body, job, prompts))
+        finals = await job.finals()
+        if finals is None:
+            return Response(status_code=499)  # the client left; nobody reads this
+        n = _n(params[0])
+        choices, completion_tokens = [], 0
+        for i, output in enumerate(finals):
+            text, _ = prompts[i]
+            for c in output.outputs:
+                completion_tokens += len(c.token_ids)
+                prefix = (text if text is not None else self._decode(output.prompt_token_ids)) if body.echo else ""
+                choices.append({
+                    "index": i * n + c.index, "text": prefix + c.text,
+                    "logprobs": completion_logprobs(self.tokenizer, c.token_ids, c.logprobs, body.logprobs or 0,
+                                                    len(prefix)),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    **_prompt_logprobs_field(self.tokenizer, output)})
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
+        cached = sum(o.num_cached_tokens for o in finals)
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": now(),
+                             "model": self.model_name, "choices": choices,
+                             "usage": usage(prompt_tokens, completion_tokens, cached)})
+
+    async def _stream_completion(self, body: CompletionRequest, job: _Job,
+                                 prompts: list[tuple[str | None, list[int]]]) -> AsyncIterator[str]:
+        created = now()
+        n = _n(job.params[0])
+        progress = _Progress()
+        echoed: set[int] = set()
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return _event({"id": job.request_id, "object": "text_completion", "created": created,
+                           "model": self.model_name, "choices": choices, **extra,
+                           **({"usage": None} if body.include_usage and "usage" not in extra else {})})
+
+        async for i, output in job.outputs():
+            for c in output.outputs:
+                index = i * n + c.index
+                delta, new_ids, new_logprobs, finish = progress.advance(index, c)
+                if body.echo and index not in echoed:
+                    echoed.add(index)
+                    text, _ = prompts[i]
+                    delta = (text if text is not None else self._decode(output.prompt_token_ids)) + delta
+                if not delta and not finish and not (new_logprobs and new_ids):
+                    continue
+                yield chunk([{"index": index, "text": delta,
+                              "logprobs": completion_logprobs(self.tokenizer, new_ids, new_logprobs,
+                                                              body.logprobs or 0),
+                              "finish_reason": c.finish_reason if finish else None,
+                              "stop_reason": c.stop_reason if finish else None}])
+        if job.error is not None:
+            yield _event(job.error.body())
+        elif body.include_usage and not job.disconnected:
+            yield chunk([], usage=usage(job.num_prompt_tokens, progress.num_tokens))
+        yield "data: [DONE]\n\n"
+
+    # -- chat -------------------------------------------------------------------------------------------------
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        self.llm.check_admission()
+        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        params = self._params(body, ids)
+        request_id = random_id("chatcmpl")
+        job = _Job(self.llm, raw, request_id, [{"prompt_token_ids": ids}], [params])
+        top = body.top_logprobs or 0
+        if body.stream:
+            return _sse(self._stream_chat(body, job, top))
+        finals = await job.finals()
+        if finals is None:
+            return Response(status_code=499)
+        (output,) = finals
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, top),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in output.outputs]
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        return JSONResponse({"id": request_id, "object": "chat.completion", "created": now(),
+                             "model": self.model_name, "choices": choices,
+                             "usage": usage(len(output.prompt_token_ids), completion_tokens, output.num_cached_tokens),
+                             **_prompt_logprobs_field(self.tokenizer, output)})
+
+    async def _stream_chat(self, body: ChatCompletionRequest, job: _Job, top: int) -> AsyncIterator[str]:
+        created = now()
+        progress = _Progress()
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return _event({"id": job.request_id, "object": "chat.completion.chunk", "created": created,
+                           "model": self.model_name, "choices": choices, **extra,
+                           **({"usage": None} if body.include_usage and "usage" not in extra else {})})
+
+        # the role first, for every choice, before any token is ready
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(_n(job.params[0]))])
+        async for _, output in job.outputs():
+            for c in output.outputs:
+                delta, new_ids, new_logprobs, finish = progress.advance(c.index, c)
+                if not delta and not finish and not (new_logprobs and new_ids):
+                    continue
+                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                              "logprobs": chat_logprobs(self.tokenizer, new_ids, new_logprobs, top),
+                              "finish_reason": c.finish_reason if finish else None,
+                              "stop_reason": c.stop_reason if finish else None}])
+        if job.error is not None:
+            yield _event(job.error.body())
+        elif body.include_usage and not job.disconnected:
+            yield chunk([], usage=usage(job.num_prompt_tokens, progress.num_tokens))
+        yield "data: [DONE]\n\n"
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist; this server has {self.model_names}.",
+                           param="model", code="model_not_found")
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: give prompts as token ids.")
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt: a string, token ids, or a list of either."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))):
+            prompt = [prompt]
+        out = []
+        for i, p in enumerate(prompt):
+            try:
+                out.append(self.engine.tokenize_prompt(p))
+            except ValueError as e:
+                raise bad_request(f"prompt {i}: {e}" if len(prompt) > 1 else str(e), param="prompt") from None
+        return out
+
+    def _chat_prompt(self, messages, add_generation_prompt: bool, chat_template_kwargs: dict | None) -> list[int]:
+        from jinja2 import TemplateError
+
+        conversation = message_dicts(messages)
+        try:
+            ids = self.engine.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
+        except (ValueError, TypeError, KeyError, TemplateError) as e:
+            raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+        if not ids:
+            raise bad_request("the chat template gave an empty prompt.", param="messages")
+        return ids
+
+    def _params(self, body, token_ids: list[int]):
+        params = sampling_params(body, len(token_ids), self.llm.max_model_len)
+        try:
+            self.engine.validate_request(token_ids, params)
+        except ValueError as e:  # e.g. more KV cache than the whole pool, or stop ids outside the vocabulary
+            message = str(e)
+            param = param_named_in(message, [f.name for f in dataclasses.fields(params)])
+            raise bad_request(message, param=param or ("max_tokens" if "max_tokens" in message else None)) from None
+        return params
+
+
+def _prompt_logprobs_field(tokenizer, output: RequestOutput) -> dict:
+    entries = getattr(output, "prompt_logprobs", None)
+    return {} if entries is None else {"prompt_logprobs": prompt_logprobs(tokenizer, entries)}
+
+
+def _n(params) -> int:
+    return int(getattr(params, "n", 1) or 1)
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Progress:
+    """What has been streamed of each choice, to turn cumulative outputs into deltas."""
+
+    def __init__(self):
+        self.sent: dict[int, tuple[int, int, bool]] = {}  # index -> (chars of text, tokens, finished)
+
+    def advance(self, index: int, c) -> tuple[str, list[int], list | None, bool]:
+        """(new text, new token ids, their logprobs, whether it just finished) of choice ``index``."""
+        chars, tokens, done = self.sent.get(index, (0, 0, False))
+        if done:
+            return "", [], None, False
+        finish = c.finish_reason is not None
+        delta = c.text[chars:]
+        new_ids = c.token_ids[tokens:]
+        new_logprobs = c.logprobs[tokens:] if c.logprobs is not None else None
+        self.sent[index] = (len(c.text), len(c.token_ids), finish)
+        return delta, new_ids, new_logprobs, finish
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(tokens for _, tokens, _ in self.sent.values())
+
+
+class _Job:
+    """The engine requests of one HTTP request: added together, merged, aborted if the client disconnects.
+
+    The requests are added when ``outputs()`` starts, so a response that is never sent adds nothing.
+    """
+
+    def __init__(self, llm: AsyncLLM, raw: Request, request_id: str, prompts: list[Any], params: list):
+        self.llm = llm
+        self.raw = raw
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.disconnected = False
+        self.error: APIError | None = None
+        self.prompt_tokens: dict[int, int] = {}
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self.prompt_tokens.values())
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            message = await self.raw.receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                for request_id in self.request_ids:
+                    self.llm.abort(request_id)
+                return
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come, until every request has finished or was aborted.
+
+        Stops early on an error, with ``self.error`` set; yields nothing more once the client is gone.
+        """
+        watcher = asyncio.ensure_future(self._watch_disconnect())
+        streams: list[RequestStream] = []
+        try:
+            for prompt, params, request_id in zip(self.prompts, self.params, self.request_ids, strict=True):
+                streams.append(self.llm.add_request(prompt, params, request_id))
+            async for i, output in _merge(streams):
+                self.prompt_tokens[i] = len(output.prompt_token_ids)
+                if not self.disconnected:
+                    yield i, output
+        except EngineDeadError as e:
+            self.error = APIError(503, str(e), type="service_unavailable")
+        except QueueFullError as e:
+            self.error = APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        except ValueError as e:  # the engine's own checks of a request
+            self.error = bad_request(str(e))
+        finally:
+            watcher.cancel()
+            for stream in streams:
+                stream.close()
+
+    async def finals(self) -> list[RequestOutput] | None:
+        """The finished output of each prompt; None if the client disconnected first."""
+        finals: list[RequestOutput | None] = [None] * len(self.prompts)
+        async for i, output in self.outputs():
+            finals[i] = output
+        if self.error is not None:
+            raise self.error
+        if self.disconnected:
+            return None
+        return finals
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave request streams as their outputs come, as (index, output); the caller closes the streams."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, stream: RequestStream) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+        finally:
+            queue.put_nowait((i, done, None))
+
+    tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,98 @@
+"""`nanovllm serve [MODEL]`: the OpenAI-compatible server's flags, and running it under uvicorn.
+
+Every engine argument (a field of EngineConfig) is also a flag: ``max_num_seqs`` is ``--max-num-seqs``.
+Run directly with ``python -m nanovllm.server.serve MODEL --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from nanovllm.engine_args import add_engine_args, engine_kwargs
+
+API_KEY_ENV = "NANOVLLM_API_KEY"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) clients use in 'model' (default: the model path as given)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                        help=f"require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics "
+                             f"(default: ${API_KEY_ENV})")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="requests allowed to wait beyond --max-num-seqs running ones before new ones get "
+                             "429 with Retry-After (default: no limit)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                        help="larger request bodies get 413 (default: 8 MiB; 0 for no limit)")
+    parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds to let in-flight requests finish (default: 30)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log level (default: info)")
+    parser.add_argument("--no-access-log", dest="access_log", action="store_false",
+                        help="do not log each HTTP request")
+    add_engine_args(parser, include_model=False)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to a CLI's subparsers; its handler is ``run_server(args)``."""
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                   description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_serve_arguments(parser)
+    parser.set_defaults(func=run_server)
+    return parser
+
+
+def build_app_from_args(args: argparse.Namespace):
+    """Load the engine and build the app (what ``run_server`` serves)."""
+    from nanovllm.engine.async_engine import AsyncLLM
+    from nanovllm.server.app import build_app
+
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be non-negative, got {args.max_queued_requests}.")
+    kwargs = engine_kwargs(args)  # the positional MODEL is among them, as "model"
+    llm = AsyncLLM.from_engine_args(max_queued_requests=args.max_queued_requests, **kwargs)
+    names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
+    return build_app(llm, served_model_names=names, api_key=args.api_key,
+                     max_request_body_bytes=args.max_request_body_bytes or None)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM (which drain in-flight requests first)."""
+    try:
+        import uvicorn
+    except ImportError:
+        print("error: the server needs FastAPI, uvicorn and prometheus-client: pip install 'nanovllm[serve]'",
+              file=sys.stderr)
+        return 1
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app = build_app_from_args(args)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d", app.state.server.model_names, args.host,
+                                     args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+                timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanovllm serve", description="Serve a model over an OpenAI-compatible "
+                                     "HTTP API.")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_server(args)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""AsyncLLM in process: concurrent requests match offline generation; aborts free blocks; errors stay local."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.async_engine import AsyncLLM, EngineDeadError, IterationStats, QueueFullError
+
+
+@pytest.fixture
+def llm(chat_model):
+    stats: list[IterationStats] = []
+    async_llm = AsyncLLM(LLM(chat_model, kvcache_block_size=16, num_kvcache_blocks=128, max_num_seqs=4),
+                         max_queued_requests=2, stats_listeners=[stats.append])
+    async_llm.stats = stats
+    yield async_llm
+    async_llm.shutdown()
+
+
+async def collect(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str):
+    outputs = [o async for o in llm.generate(prompt, params, request_id)]
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    return outputs
+
+
+def wait_idle(llm: AsyncLLM) -> None:
+    """Until the engine thread has applied every command (an abort is asynchronous)."""
+    async def settle():
+        for _ in range(200):
+            if llm.num_in_flight == 0 and not llm.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.01)
+    asyncio.run(settle())
+
+
+def test_concurrent_requests_match_offline(llm, chat_model):
+    prompts = ["Hello, world!", "Paged attention keeps", "Once upon a time", "The quick brown", "Continuous",
+               "How are you today?"]  # more than max_num_seqs: some wait for a slot
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(collect(llm, p, params, f"r{i}") for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    offline = LLM(chat_model, kvcache_block_size=16, num_kvcache_blocks=128)
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    offline.close()
+    for outputs, exp in zip(results, expected, strict=True):
+        assert outputs[-1].outputs[0].token_ids == exp.outputs[0].token_ids
+        assert outputs[-1].outputs[0].text == exp.outputs[0].text
+        # cumulative outputs: token lists only grow
+        lengths = [len(o.outputs[0].token_ids) for o in outputs]
+        assert lengths == sorted(lengths)
+    assert llm.engine.scheduler.block_manager.usage == 0
+    finished = [f for s in llm.stats for f in s.finished]
+    assert sorted(f.finish_reason for f in finished) == ["length"] * len(prompts)
+    assert all(f.num_generation_tokens == 10 and f.time_per_output_token > 0 for f in finished)
+    assert sum(s.num_generation_tokens for s in llm.stats) == 10 * len(prompts)
+    assert len([t for s in llm.stats for t in s.time_to_first_token]) == len(prompts)
+
+
+def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(llm):
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def main():
+        stream = llm.add_request("Talk forever.", params, "long")
+        first = await stream.__anext__()
+        assert not first.finished
+        assert llm.engine.scheduler.block_manager.usage > 0
+        stream.close()
+        # cancelling a waiting consumer aborts too
+        task = asyncio.ensure_future(collect(llm, "Talk forever, again.", params, "long2"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    wait_idle(llm)
+    assert llm.engine.scheduler.block_manager.usage == 0
+    assert llm.engine.requests == {}
+    aborted = [f for s in llm.stats for f in s.finished if f.finish_reason == "abort"]
+    assert len(aborted) == 2 and all(f.num_generation_tokens < 500 for f in aborted)
+    assert llm.stats[-1].num_running == 0 and llm.stats[-1].kv_cache_usage == 0
+
+
+def test_a_bad_request_fails_alone(llm):
+    async def main():
+        good = asyncio.ensure_future(collect(llm, "Hello", SamplingParams(temperature=0, max_tokens=3), "good"))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(llm, [1, 2, 10**6], SamplingParams(max_tokens=3), "bad")
+        with pytest.raises(ValueError, match="already in use"):
+            await asyncio.gather(collect(llm, "a", SamplingParams(max_tokens=50), "same"),
+                                 collect(llm, "b", SamplingParams(max_tokens=50), "same"))
+        return await good
+
+    assert asyncio.run(main())[-1].outputs[0].finish_reason == "length"
+    wait_idle(llm)
+    assert llm.num_in_flight == 0
+
+
+def test_queue_limit(llm):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        # max_num_seqs 4 + max_queued_requests 2 in flight at most
+        streams = [llm.add_request("Hi", params, f"q{i}") for i in range(6)]
+        with pytest.raises(QueueFullError):
+            llm.add_request("Hi", params, "q6")
+        for s in streams:
+            s.close()
+
+    asyncio.run(main())
+    wait_idle(llm)
+    assert llm.num_in_flight == 0
+
+
+def test_shutdown_ends_streams_and_refuses_new_requests(llm):
+    async def main():
+        stream = llm.add_request("Talk forever.", SamplingParams(max_tokens=500, ignore_eos=True), "s")
+        await stream.__anext__()
+        await asyncio.to_thread(llm.shutdown)
+        last = [o async for o in stream][-1]
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        with pytest.raises(EngineDeadError):
+            llm.add_request("Hi", SamplingParams(), "late")
+
+    asyncio.run(main())
+    assert not llm.is_running
+
+
+def test_an_engine_failure_fails_requests_and_the_health_check(llm):
+    from fastapi.testclient import TestClient
+
+    from nanovllm.server.app import build_app
+
+    def broken_step():
+        raise RuntimeError("kernel exploded")
+
+    llm.engine.step = broken_step
+    with TestClient(build_app(llm, served_model_names=["tiny"])) as client:
+        assert client.get("/health").status_code == 200
+        response = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert response.status_code == 503
+        assert "kernel exploded" in response.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+        again = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert again.status_code == 503 and set(again.json()["error"]) == {"message", "type", "param", "code"}
+    assert not llm.is_running and isinstance(llm.error, RuntimeError)
