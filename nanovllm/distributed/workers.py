@@ -69,7 +69,8 @@ def _serve_steps(runner) -> None:
         if command == "exit":
             return
         assert command == "run", command
-        runner.run(payload)
+        seqs, prompt_logprob_seqs = payload
+        runner.run(seqs, prompt_logprob_seqs)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -93,6 +94,8 @@ def worker_main(rank: int, world_size: int, init_method: str, config, hf_config,
 
 class TensorParallelRunner:
     """Rank 0's runner: same interface as ModelRunner (run, num_kvcache_blocks, close)."""
+
+    supports_prompt_logprobs = True
 
     def __init__(self, config, source, max_model_len: int):
         self.world_size = config.tensor_parallel_size
@@ -133,8 +136,11 @@ class TensorParallelRunner:
             if not process.is_alive():
                 raise RuntimeError(f"a tensor-parallel worker (pid {process.pid}) died with exit code "
                                    f"{process.exitcode}; the engine cannot continue.")
-        dist.broadcast_object_list([("run", seqs)], src=0)
-        return self.runner.run(seqs)
+        # Only rank 0's sequences know their sampling parameters: decide here which want prompt logits.
+        from nanovllm.engine.sampling import wants_prompt_logprobs
+        prompt_logprob_seqs = [i for i, s in enumerate(seqs) if wants_prompt_logprobs(s)]
+        dist.broadcast_object_list([("run", (seqs, prompt_logprob_seqs))], src=0)
+        return self.runner.run(seqs, prompt_logprob_seqs)
 
     def close(self) -> None:
         if self.closed:

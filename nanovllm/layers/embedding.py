@@ -34,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mine.unsqueeze(-1)
-        return all_reduce(y)
+        return all_reduce(y)  # tp_size > 1 here
 
 
 class ParallelLMHead(VocabParallelEmbedding):

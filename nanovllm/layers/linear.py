@@ -122,4 +122,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return all_reduce(y)
+        # the layer's own size, fixed when it was built: another engine may share this process
+        return all_reduce(y) if self.tp_size > 1 else y

@@ -1,0 +1,46 @@
+"""Tensor parallelism over gloo on the CPU: the same greedy tokens as one process; clean shutdown and failure."""
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.helpers import save_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 17, 60, 200)]
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen3", {}),
+    ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: each rank holds a copy
+    ("qwen2", {"tie_word_embeddings": True}),
+])
+def test_tp2_equals_tp1(tmp_path, family, overrides):
+    path = save_tiny_model(family, tmp_path / family, **overrides)
+    kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=64)
+    single = LLM(path, **kwargs)
+    expected = [o.token_ids for o in single.generate(prompts(), GREEDY, use_tqdm=False)]
+    llm = LLM(path, tensor_parallel_size=2, **kwargs)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == expected
+        params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, logprobs=2)
+        ours = llm.generate(prompts()[1:2], params, use_tqdm=False)[0]
+        ref = single.generate(prompts()[1:2], params, use_tqdm=False)[0]
+        assert [sorted(d) for d in ours.prompt_logprobs[1:]] == [sorted(d) for d in ref.prompt_logprobs[1:]]
+    finally:
+        llm.close()
+    assert all(not p.is_alive() for p in llm.runner.processes), "workers exit on close"
+
+
+def test_dead_worker_is_an_error_not_a_hang(tiny_qwen3):
+    llm = LLM(tiny_qwen3, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32)
+    worker = llm.runner.processes[0]
+    worker.kill()
+    worker.join(timeout=10)
+    with pytest.raises(RuntimeError, match="worker"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    llm.close()
