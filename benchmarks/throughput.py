@@ -43,7 +43,10 @@ def workload(name: str, num_requests: int):
 
 
 def roofline_seconds(llm: LLM, prompts, params) -> tuple[float, float]:
-    """(memory floor, compute floor) in seconds: every decode step reads the weights and each live KV once."""
+    """(memory floor, compute floor) in seconds: every decode step reads the weights and each live KV once.
+
+    With tensor parallelism the work is spread over that many GPUs, so their bandwidth and FLOPs add up.
+    """
     cfg = llm.hf_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
@@ -52,9 +55,10 @@ def roofline_seconds(llm: LLM, prompts, params) -> tuple[float, float]:
     weight_params *= llm.config.tensor_parallel_size
     kv_reads = sum(len(p) * sp.max_tokens + sp.max_tokens * (sp.max_tokens - 1) // 2 for p, sp in zip(prompts, params))
     decode_steps = max(sp.max_tokens for sp in params)  # all requests fit at once on the card
-    memory = (kv_reads * kv_bytes + decode_steps * weight_params * 2) / COPY_BANDWIDTH
+    gpus = llm.config.tensor_parallel_size
+    memory = (kv_reads * kv_bytes + decode_steps * weight_params * 2) / (COPY_BANDWIDTH * gpus)
     tokens = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
-    compute = 2 * weight_params * tokens / MATMUL_FLOPS
+    compute = 2 * weight_params * tokens / (MATMUL_FLOPS * gpus)
     return memory, compute
 
 

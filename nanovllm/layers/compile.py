@@ -13,6 +13,14 @@ import os
 import torch
 
 
+def _raise_recompile_limit() -> None:
+    # Each engine in a process (dtype, hidden size, eps) adds variants; the default limit of 8 is soon hit.
+    import torch._dynamo.config as dynamo_config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+
+
 def cuda_compiled(fn):
     """Run fn compiled when its first argument is a CUDA tensor, else as it is."""
     compiled = None
@@ -22,7 +30,8 @@ def cuda_compiled(fn):
         nonlocal compiled
         if args[0].is_cuda and os.environ.get("NANOVLLM_NO_COMPILE") != "1":
             if compiled is None:
-                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+                _raise_recompile_limit()
+                compiled = torch.compile(fn, dynamic=True)
             return compiled(*args)
         return fn(*args)
 
