@@ -19,8 +19,9 @@ def test_tp2_equals_tp1_qwen3_shape():
                for n in torch.randint(1, 600, (32,), generator=g)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     # float32 so that the two summation orders of the all-reduce cannot flip a greedy choice
+    # an explicit pool: sizing it from free memory would count what earlier engines in this process hold
     kwargs = dict(load_format="dummy", dtype="float32", max_model_len=1024, max_num_seqs=32,
-                  gpu_memory_utilization=0.3, seed=3)
+                  kvcache_block_size=16, num_kvcache_blocks=2048, seed=3)
     single = LLM(FOLDER, **kwargs)
     expected = [o.token_ids for o in single.generate(prompts, params, use_tqdm=False)]
     del single
