@@ -44,3 +44,25 @@ def test_dead_worker_is_an_error_not_a_hang(tiny_qwen3):
     with pytest.raises(RuntimeError, match="worker"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     llm.close()
+
+
+def test_torchrun_launch_equals_single_process(tiny_qwen3):
+    """`torchrun --nproc-per-node 2 script.py`: the env:// rendezvous path gives the same tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    expected = [o.token_ids for o in LLM(tiny_qwen3, kvcache_block_size=16, num_kvcache_blocks=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)]
+    script = os.path.join(os.path.dirname(__file__), "torchrun_script.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         script, tiny_qwen3, json.dumps(prompts)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("TOKENS="))
+    assert json.loads(line[len("TOKENS="):]) == expected
