@@ -10,12 +10,7 @@ from nanovllm.engine.sequence import Sequence
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True)
-def small_blocks():
-    old = Sequence.block_size
-    Sequence.block_size = BLOCK
-    yield
-    Sequence.block_size = old
+pytestmark = pytest.mark.usefixtures("sequence_block_size")
 
 
 class SimulatedCache:

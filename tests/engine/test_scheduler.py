@@ -10,12 +10,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True)
-def small_blocks():
-    old = Sequence.block_size
-    Sequence.block_size = BLOCK
-    yield
-    Sequence.block_size = old
+pytestmark = pytest.mark.usefixtures("sequence_block_size")
 
 
 def make(num_blocks=64, budget=16, max_seqs=8):
