@@ -59,10 +59,18 @@ def test_torchrun_launch_equals_single_process(tiny_qwen3):
     script = os.path.join(os.path.dirname(__file__), "torchrun_script.py")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root)
-    result = subprocess.run(
+    # its own process group, so that a timeout takes the launcher's ranks down with it
+    process = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          script, tiny_qwen3, json.dumps(prompts)],
-        capture_output=True, text=True, timeout=240, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+            process.wait()
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("TOKENS="))
     assert json.loads(line[len("TOKENS="):]) == expected
