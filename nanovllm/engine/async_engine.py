@@ -14,8 +14,12 @@ through a thread-safe command queue, so requests join the running batch between 
 across callers) and an abort frees the request's KV blocks before the next step. Each output is cumulative (the
 text and tokens so far), so a slow consumer may skip to the newest one without losing anything.
 
-Callers may read the engine's fixed attributes (tokenizer, max_model_len, ``validate_request``) from their own
-thread; nothing else.
+A fault while processing one request (its detokenizer, its stop strings, building its output) fails that request
+alone: its stream raises RequestFailedError, its blocks are freed, and the loop goes on. A fault of the whole step
+(the model, the scheduler) stops the loop: every request then fails with EngineDeadError.
+
+Callers may read the engine's fixed attributes (tokenizer, max_model_len, ``validate_request``,
+``tokenize_prompt``, ``apply_chat_template``) from their own threads; nothing else.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Too many requests are in flight; the caller should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing this one request failed inside the engine (e.g. its detokenization); the engine goes on."""
 
 
 @dataclass
@@ -155,6 +163,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders add_request() against closing
         self._closed = False
+        self.draining = False  # set by stop_admissions(): in-flight requests finish, new ones are refused
         self._requests: dict[str, _RequestState] = {}  # engine-thread side only
         self._counters = self._read_counters()
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
@@ -180,6 +189,8 @@ class AsyncLLM:
         """Raise EngineDeadError or QueueFullError if a new request cannot be taken now."""
         if not self.is_running:
             raise EngineDeadError(f"the engine has stopped{f': {self.error!r}' if self.error else ''}.")
+        if self.draining:
+            raise EngineDeadError("the server is shutting down: it takes no new requests.")
         if self.max_queued_requests is not None:
             limit = self.engine.config.max_num_seqs + self.max_queued_requests
             if self.num_in_flight >= limit:
@@ -211,6 +222,10 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread): it leaves the batch and frees its KV blocks before the next step."""
         self._commands.put(("abort", request_id))
+
+    def stop_admissions(self) -> None:
+        """Refuse new requests from now on (EngineDeadError), and let those in flight finish: a graceful drain."""
+        self.draining = True
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort what is left, stop the loop and release the engine."""
@@ -295,11 +310,11 @@ class AsyncLLM:
             state = self._requests.get(request_id)
             if state is None:
                 continue
-            if self.engine.is_request_finished(request_id):
-                output = self.engine.pop_finished(request_id)
-                self._forget(request_id)
-            else:
-                output = self.engine.make_output(request_id)
+            try:
+                output, error = self._take_output(request_id)
+            except Exception as e:  # a per-request fault the engine did not contain: still this request's alone
+                self._fail(request_id, state, e, stats, now)
+                continue
             num_generated = sum(len(c.token_ids) for c in output.outputs)
             if num_generated > state.num_generation_tokens:
                 if state.first_token_time is None:
@@ -313,9 +328,32 @@ class AsyncLLM:
                 state.num_generation_tokens = num_generated
                 state.last_token_time = now
             if output.finished:
-                reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
+                reason = "error" if error is not None else next(
+                    (c.finish_reason for c in output.outputs if c.finish_reason), "stop")
                 stats.finished.append(self._finished_stats(state, output, reason, now))
-            state.deliver(output)
+            state.deliver(output if error is None else RequestFailedError(f"the request failed: {error}"))
+
+    def _take_output(self, request_id: str) -> tuple[RequestOutput, str | None]:
+        """The request's output, and why it failed (None if it did not); a finished request is forgotten."""
+        output = self.engine.make_output(request_id)
+        if not output.finished:
+            return output, None
+        error = self.engine.request_error(request_id)
+        self.engine.forget_request(request_id)
+        self._forget(request_id)
+        return output, error
+
+    def _fail(self, request_id: str, state: _RequestState, error: Exception, stats: IterationStats,
+              now: float) -> None:
+        """End one request after an exception in its processing: abort it in the engine (its blocks are freed)."""
+        logger.error("request %s failed; the engine goes on", request_id,
+                     exc_info=(type(error), error, error.__traceback__))
+        self.engine.abort_request(request_id)  # if even this fails, the engine is broken: the loop stops
+        if self._forget(request_id) is None:
+            return
+        stats.finished.append(FinishedRequestStats("error", now - state.arrival_time, state.num_prompt_tokens,
+                                                   state.num_generation_tokens, None))
+        state.deliver(RequestFailedError(f"the request failed: {type(error).__name__}: {error}"))
 
     def _forget(self, request_id: str) -> _RequestState | None:
         state = self._requests.pop(request_id, None)

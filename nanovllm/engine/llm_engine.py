@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.loader.source import resolve_model
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict
 
@@ -40,6 +43,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with SamplingParams.prompt_logprobs
     num_prompt_logprobs_missing: int = 0
     num_cached_tokens: int | None = None  # prompt tokens sample 0 found in the prefix cache
+    error: str | None = None  # why processing this request failed (its samples end with finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -107,6 +111,7 @@ class LLMEngine:
                 raise ValueError("prompt is empty: give at least one token.")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give prompts as lists of token ids.")
+            check_unicode(prompt, "the prompt")
             return prompt, self._check_token_ids(self.tokenizer.encode(prompt))
         if isinstance(prompt, SequenceABC):
             return None, self._check_token_ids(prompt)
@@ -206,7 +211,8 @@ class LLMEngine:
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one engine step; returns the sequences that received a token (finished ones included).
+        """Run one engine step; returns the sequences that received a token (finished ones included), and those
+        of a request that failed this step (finish_reason "error", see ``_fail_request``).
 
         A sequence carries ``request_id`` (its request) and ``index`` (which of the request's n samples); a
         request is finished when ``is_request_finished`` says so (every sample finished).
@@ -227,36 +233,69 @@ class LLMEngine:
         self.scheduler.postprocess(seqs, output.token_ids)
         self._record(seqs, output)
         self.last_step = StepStats(prefill, decode, time.perf_counter() - start)
-        return [s for s, t in zip(seqs, output.token_ids, strict=True) if t is not None]
+        return [s for s, t in zip(seqs, output.token_ids, strict=True)
+                if t is not None or s.finish_reason == "error"]
 
     def _record(self, seqs: list[Sequence], output: RunnerOutput) -> None:
-        """Take in the step's logprobs, check stop strings, and start the other samples of n > 1 requests."""
+        """Take in the step's logprobs, check stop strings, and start the other samples of n > 1 requests.
+
+        This is per-request work on the request's own data (its text, its logprobs): an exception here fails that
+        request alone (``_fail_request``), and the step goes on for the others.
+        """
         for i, run in output.prompt_logprobs.items():
             state = self.requests.get(seqs[i].request_id)
-            if state is None or state.prompt_logprobs is None:
+            if state is None or state.prompt_logprobs is None or state.error is not None:
                 continue
-            for position, entry in enumerate(run.entries, start=run.first_position):
-                if state.prompt_logprobs[position] is None:
-                    state.num_prompt_logprobs_missing -= 1
-                state.prompt_logprobs[position] = self._logprob_dict(entry)
+            try:
+                for position, entry in enumerate(run.entries, start=run.first_position):
+                    if state.prompt_logprobs[position] is None:
+                        state.num_prompt_logprobs_missing -= 1
+                    state.prompt_logprobs[position] = self._logprob_dict(entry)
+            except Exception as e:
+                self._fail_request(state, e)
+                continue
             if state.num_prompt_logprobs_missing == 0:
                 seqs[i].needs_prompt_logprobs = False  # a recompute after preemption needs no logits again
         for seq, token_id, logprobs in zip(seqs, output.token_ids, output.logprobs, strict=True):
             if token_id is None:
                 continue
             state = self.requests.get(seq.request_id)
-            if state is None:
+            if state is None or state.error is not None:
                 continue
             sample = state.samples[seq.index]
-            if sample.logprobs is not None and logprobs is not None:
-                sample.logprobs.append(self._logprob_dict(logprobs))
-                sample.cumulative_logprob += logprobs.logprob
-            if state.params.stop:
-                self._update_text(sample)  # stop strings are checked every step; other text waits for make_output
+            try:
+                if sample.logprobs is not None and logprobs is not None:
+                    sample.logprobs.append(self._logprob_dict(logprobs))
+                    sample.cumulative_logprob += logprobs.logprob
+                if state.params.stop:
+                    self._update_text(sample)  # stop strings are checked every step; other text waits for make_output
+            except Exception as e:
+                self._fail_request(state, e, sample)
+                continue
             if state.pending:
                 for child in state.pending:  # sample 0's prompt blocks are cached now: the rest share them
                     self.scheduler.add(child, first=True)
                 state.pending = []
+
+    def _fail_request(self, state: RequestState, error: BaseException, sample: SampleState | None = None) -> None:
+        """Contain a fault met while processing one request: it ends, and the engine and other requests go on.
+
+        Every unfinished sample (and ``sample``, the one whose processing raised, even if it had finished) ends
+        with finish_reason "error"; unfinished ones leave the scheduler and free their KV blocks now. The
+        request stays in ``requests`` until its output is taken, as any finished request does; ``state.error``
+        says what went wrong.
+        """
+        if state.error is None:
+            logger.error("request %s failed and was stopped; the engine goes on", state.request_id,
+                         exc_info=(type(error), error, error.__traceback__))
+            state.error = f"{type(error).__name__}: {error}"
+        state.pending = []  # samples never handed to the scheduler hold no blocks
+        for other in state.samples:
+            seq = other.seq
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")  # frees its blocks; a sample not queued yet holds none
+            elif other is sample:
+                seq.finish_reason, seq.stop_reason = "error", None
 
     def _update_text(self, sample: SampleState) -> None:
         """Feed the sample's new tokens to its detokenizer; a stop string ends the sample with reason "stop"."""
@@ -305,13 +344,11 @@ class LLMEngine:
         and logprobs (one entry per token id) also only grow. Call it from the thread that steps the engine.
         """
         state = self.requests[request_id]
+        # texts first: a sample whose text fails ends the whole request, before any output is built
+        texts = [self._sample_text(state, sample) for sample in state.samples]
         outputs = []
-        for sample in state.samples:
+        for sample, text in zip(state.samples, texts, strict=True):
             seq = sample.seq
-            text = ""
-            if sample.detokenizer is not None:
-                self._update_text(sample)
-                text = sample.detokenizer.output_text(seq.is_finished)
             outputs.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, cumulative_logprob=sample.cumulative_logprob,
@@ -321,6 +358,24 @@ class LLMEngine:
                              outputs=outputs, finished=state.finished, num_cached_tokens=state.num_cached_tokens or 0,
                              prompt_logprobs=prompt_logprobs)
 
+    def _sample_text(self, state: RequestState, sample: SampleState) -> str:
+        """The sample's text so far; a detokenizer that raises fails the request (its text stays as it was)."""
+        detokenizer = sample.detokenizer
+        if detokenizer is None:
+            return ""
+        if sample.seq.finish_reason != "error":
+            try:
+                self._update_text(sample)
+                return detokenizer.output_text(sample.seq.is_finished)
+            except Exception as e:
+                self._fail_request(state, e, sample)
+        return detokenizer.text if isinstance(detokenizer.text, str) else ""
+
+    def request_error(self, request_id: str) -> str | None:
+        """Why the request failed (its samples ended with finish_reason "error"); None if it did not."""
+        state = self.requests.get(request_id)
+        return None if state is None else state.error
+
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
@@ -328,10 +383,24 @@ class LLMEngine:
 
     def pop_finished(self, request_id: str) -> RequestOutput:
         output = self.make_output(request_id)
-        del self.requests[request_id]
+        self.forget_request(request_id)
         return output
+
+    def forget_request(self, request_id: str) -> None:
+        """Drop a finished request whose final output was taken (with ``make_output``)."""
+        assert self.requests[request_id].finished
+        del self.requests[request_id]
 
     def close(self) -> None:
         runner = getattr(self, "runner", None)
         if runner is not None and hasattr(runner, "close"):
             runner.close()
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Raise ValueError if ``text`` cannot be encoded as UTF-8 (a lone surrogate, e.g. from a JSON "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: it holds a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}.") from None

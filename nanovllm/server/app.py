@@ -1,7 +1,13 @@
 """The OpenAI-compatible HTTP app: completions, chat, models, tokenize, health and metrics over an AsyncLLM.
 
 Every failure a client can cause answers in OpenAI's error shape with a 4xx status; a client that disconnects
-has its requests aborted at once (their KV blocks are freed before the engine's next step).
+has its requests aborted at once (their KV blocks are freed before the engine's next step). A fault while the
+engine processes one request fails that request alone (500, or an error event in a stream).
+
+Limits (each refused with a 4xx that names it): the body size (413), requests in flight (429 with Retry-After),
+``n`` (``max_n``), prompts in one completions request (``max_prompts_per_request``), and prompt + max_tokens
+within max_model_len. Prompts are tokenized in a worker thread (tokenizers release the GIL), so a long one does
+not stall other requests' streams, and text too long to fit max_model_len is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -20,7 +26,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from nanovllm.engine.async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from nanovllm.outputs import RequestOutput
 from nanovllm.server.metrics import ServerMetrics
 from nanovllm.server.protocol import (
@@ -40,6 +52,7 @@ from nanovllm.server.protocol import (
     sampling_params,
     usage,
 )
+from nanovllm.server.serve import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +61,16 @@ RETRY_AFTER_SECONDS = 1
 
 
 def build_app(llm: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-              max_request_body_bytes: int | None = None) -> FastAPI:
+              max_request_body_bytes: int | None = None, max_n: int | None = DEFAULT_MAX_N,
+              max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
     """The app serving ``llm``; requests naming a model must use one of ``served_model_names``.
 
     api_key: when set, every path but /health and /metrics needs ``Authorization: Bearer <api_key>``.
     max_request_body_bytes: larger bodies are refused with 413 (None: no limit).
+    max_n, max_prompts_per_request: larger ``n`` / more prompts in one completions request get 400 (None: no limit).
     """
-    server = OpenAIServer(llm, served_model_names or [llm.engine.model_path])
+    server = OpenAIServer(llm, served_model_names or [llm.engine.model_path], max_n=max_n,
+                          max_prompts_per_request=max_prompts_per_request)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,8 +102,15 @@ def _version() -> str:
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: an error message may quote client text, whose encoding must never fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+    return _ASCIIJSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -200,13 +223,17 @@ class BodySizeLimitMiddleware:
 
 # -- the endpoints ----------------------------------------------------------------------------------------------
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], *, max_n: int | None = DEFAULT_MAX_N,
+                 max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST):
         self.llm = llm
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
         self.model_names = list(served_model_names)
         self.model_name = self.model_names[0]
         self.created = now()
+        self.max_n = max_n
+        self.max_prompts_per_request = max_prompts_per_request
+        self.longest_token_chars = _longest_token_chars(self.tokenizer)
         self.metrics = ServerMetrics(self.model_name)
         llm.stats_listeners.append(self.metrics.record)
 
@@ -214,6 +241,8 @@ class OpenAIServer:
     async def health(self) -> Response:
         if not self.llm.is_running:
             return _error_response(APIError(503, "the engine is not running.", type="service_unavailable"))
+        if self.llm.draining:
+            return _error_response(APIError(503, "the server is shutting down.", type="service_unavailable"))
         return Response(status_code=200)
 
     async def metrics_endpoint(self) -> Response:
@@ -230,10 +259,12 @@ class OpenAIServer:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'.")
         if body.messages is not None:
-            tokens = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            tokens = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         else:
             self._need_tokenizer()
-            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            self._check_text_length(len(body.prompt), "prompt")
+            tokens = await asyncio.to_thread(self.tokenizer.encode, body.prompt,
+                                             add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.llm.max_model_len, "tokens": tokens}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
@@ -249,11 +280,11 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
         self.llm.check_admission()
-        prompts = self._completion_prompts(body.prompt)
+        prompts = await self._completion_prompts(body.prompt)
         params = [self._params(body, ids) for _, ids in prompts]
         request_id = random_id("cmpl")
         job = _Job(self.llm, raw, request_id,
-                   [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts], params)
+                   [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts], params).start()
         if body.stream:
             return _sse(self._stream_completion(body, job, prompts))
         finals = await job.finals()
@@ -315,10 +346,10 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
         self.llm.check_admission()
-        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         params = self._params(body, ids)
         request_id = random_id("chatcmpl")
-        job = _Job(self.llm, raw, request_id, [{"prompt_token_ids": ids}], [params])
+        job = _Job(self.llm, raw, request_id, [{"prompt_token_ids": ids}], [params]).start()
         top = body.top_logprobs or 0
         if body.stream:
             return _sse(self._stream_chat(body, job, top))
@@ -376,32 +407,61 @@ class OpenAIServer:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
-    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    def _check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text with more characters than max_model_len tokens can hold."""
+        longest = self.longest_token_chars
+        if longest is not None and num_chars > longest * self.llm.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.llm.max_model_len} tokens, and no token "
+                              f"is longer than {longest} characters, so {num_chars} characters of {param} cannot fit.",
+                              param=param, code="context_length_exceeded")
+
+    async def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) of each prompt: a string, token ids, or a list of either."""
         if isinstance(prompt, str) or (isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))):
             prompt = [prompt]
-        out = []
-        for i, p in enumerate(prompt):
-            try:
-                out.append(self.engine.tokenize_prompt(p))
-            except ValueError as e:
-                raise bad_request(f"prompt {i}: {e}" if len(prompt) > 1 else str(e), param="prompt") from None
-        return out
+        if self.max_prompts_per_request is not None and len(prompt) > self.max_prompts_per_request:
+            raise bad_request(f"{len(prompt)} prompts in one request; the limit is {self.max_prompts_per_request}.",
+                              param="prompt")
+        for p in prompt:
+            if isinstance(p, str):
+                self._check_text_length(len(p), "prompt")
 
-    def _chat_prompt(self, messages, add_generation_prompt: bool, chat_template_kwargs: dict | None) -> list[int]:
-        from jinja2 import TemplateError
+        def tokenize_all() -> list[tuple[str | None, list[int]]]:
+            out = []
+            for i, p in enumerate(prompt):
+                try:
+                    out.append(self.engine.tokenize_prompt(p))
+                except ValueError as e:
+                    raise bad_request(f"prompt {i}: {e}" if len(prompt) > 1 else str(e), param="prompt") from None
+            return out
 
+        return await asyncio.to_thread(tokenize_all)
+
+    async def _chat_prompt(self, messages, add_generation_prompt: bool,
+                           chat_template_kwargs: dict | None) -> list[int]:
         conversation = message_dicts(messages)
-        try:
-            ids = self.engine.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
-        except (ValueError, TypeError, KeyError, TemplateError) as e:
-            raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+        if chat_template_kwargs and "chat_template" in chat_template_kwargs:
+            # a template is code (Jinja, sandboxed or not): the server runs the model's own, never a client's
+            raise bad_request("chat_template cannot be given in a request: the server uses the model's own.",
+                              param="chat_template_kwargs")
+        self._check_text_length(sum(_text_length(m) for m in conversation), "messages")
+
+        def render() -> list[int]:
+            try:
+                return self.engine.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
+            except Exception as e:  # the template ran on the client's messages and kwargs: their fault, not ours
+                raise bad_request(f"cannot apply the chat template: {type(e).__name__}: {e}",
+                                  param="messages") from None
+
+        ids = await asyncio.to_thread(render)
         if not ids:
             raise bad_request("the chat template gave an empty prompt.", param="messages")
         return ids
 
     def _params(self, body, token_ids: list[int]):
         params = sampling_params(body, len(token_ids), self.llm.max_model_len)
+        if self.max_n is not None and params.n > self.max_n:
+            raise bad_request(f"n must be at most {self.max_n} on this server, got {params.n}.", param="n")
         try:
             self.engine.validate_request(token_ids, params)
         except ValueError as e:  # e.g. more KV cache than the whole pool, or stop ids outside the vocabulary
@@ -409,6 +469,30 @@ class OpenAIServer:
             param = param_named_in(message, [f.name for f in dataclasses.fields(params)])
             raise bad_request(message, param=param or ("max_tokens" if "max_tokens" in message else None)) from None
         return params
+
+
+def _longest_token_chars(tokenizer) -> int | None:
+    """The longest vocabulary entry, in characters (None: no tokenizer, or no vocabulary to read).
+
+    A token's text is at most as long as its entry (byte-level BPE spells one byte per character, sentencepiece
+    one character per character), so text of n characters takes at least n / longest tokens.
+    """
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    except Exception:
+        return None
+    return longest or None
+
+
+def _text_length(value: Any) -> int:
+    """Characters in all the strings of a message (its content, role and any other fields)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_length(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_length(v) for v in value)
+    return 0
 
 
 def _prompt_logprobs_field(tokenizer, output: RequestOutput) -> dict:
@@ -455,7 +539,9 @@ class _Progress:
 class _Job:
     """The engine requests of one HTTP request: added together, merged, aborted if the client disconnects.
 
-    The requests are added when ``outputs()`` starts, so a response that is never sent adds nothing.
+    ``start()`` adds them from the handler, before any response begins: a full queue (429) or a stopped engine
+    (503) is answered with its status, never as an error event inside a 200 stream. From then on the client is
+    watched, so a client that leaves aborts them even if their response never starts.
     """
 
     def __init__(self, llm: AsyncLLM, raw: Request, request_id: str, prompts: list[Any], params: list):
@@ -468,10 +554,30 @@ class _Job:
         self.disconnected = False
         self.error: APIError | None = None
         self.prompt_tokens: dict[int, int] = {}
+        self.streams: list[RequestStream] = []
+        self._watcher: asyncio.Future | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(self.prompt_tokens.values())
+
+    def start(self) -> _Job:
+        """Add the requests and watch the client; EngineDeadError or QueueFullError aborts those already added."""
+        try:
+            for prompt, params, request_id in zip(self.prompts, self.params, self.request_ids, strict=True):
+                self.streams.append(self.llm.add_request(prompt, params, request_id))
+        except BaseException:
+            self.close()
+            raise
+        self._watcher = asyncio.ensure_future(self._watch_disconnect())
+        return self
+
+    def close(self) -> None:
+        """Stop watching the client, and abort whatever has not finished (idempotent)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for stream in self.streams:
+            stream.close()
 
     async def _watch_disconnect(self) -> None:
         while True:
@@ -487,26 +593,19 @@ class _Job:
 
         Stops early on an error, with ``self.error`` set; yields nothing more once the client is gone.
         """
-        watcher = asyncio.ensure_future(self._watch_disconnect())
-        streams: list[RequestStream] = []
         try:
-            for prompt, params, request_id in zip(self.prompts, self.params, self.request_ids, strict=True):
-                streams.append(self.llm.add_request(prompt, params, request_id))
-            async for i, output in _merge(streams):
+            async for i, output in _merge(self.streams):
                 self.prompt_tokens[i] = len(output.prompt_token_ids)
                 if not self.disconnected:
                     yield i, output
         except EngineDeadError as e:
             self.error = APIError(503, str(e), type="service_unavailable")
-        except QueueFullError as e:
-            self.error = APIError(429, str(e), type="rate_limit_error", code="queue_full",
-                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        except RequestFailedError as e:  # a fault in this request's processing; the engine serves on
+            self.error = APIError(500, str(e), code="request_failed")
         except ValueError as e:  # the engine's own checks of a request
             self.error = bad_request(str(e))
         finally:
-            watcher.cancel()
-            for stream in streams:
-                stream.close()
+            self.close()
 
     async def finals(self) -> list[RequestOutput] | None:
         """The finished output of each prompt; None if the client disconnected first."""

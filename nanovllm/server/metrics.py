@@ -16,7 +16,7 @@ from nanovllm.engine.async_engine import IterationStats
 prometheus_client.disable_created_metrics()
 
 PREFIX = "nanovllm:"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0]
@@ -51,7 +51,8 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._finished = Counter(PREFIX + "request_success", "Finished requests, by finish reason "
-                                 "(abort: cancelled, e.g. the client disconnected).",
+                                 "(abort: cancelled, e.g. the client disconnected; error: "
+                                 "a fault while processing that request).",
                                  labels + ["finished_reason"], registry=registry)
         for reason in FINISH_REASONS:
             self._finished.labels(model_name, reason)
@@ -65,9 +66,7 @@ class ServerMetrics:
         self.model_name = model_name
 
     def record(self, stats: IterationStats) -> None:
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
+        # counters first, gauges last: a scrape that sees the server idle also sees every request it finished
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.preemptions.inc(stats.num_preemptions)
@@ -82,6 +81,9 @@ class ServerMetrics:
             self.e2e_latency.observe(request.e2e_latency)
             if request.time_per_output_token is not None:
                 self.time_per_output_token.observe(request.time_per_output_token)
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

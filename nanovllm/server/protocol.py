@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -54,11 +54,61 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class RequestBody(OpenAIModel):
+    """A whole request body: every string in it, at any depth, must be valid Unicode text.
+
+    JSON may spell a lone UTF-16 surrogate ("\\ud800"), which Python keeps in a str but nothing can encode as
+    UTF-8: tokenizers refuse it and a response echoing it could not be written. Such a body is refused up front,
+    with a 400 naming where the surrogate is (the APIError passes through pydantic to the app's handler).
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = lone_surrogate_at(data)
+        if found is not None:
+            where, field = found
+            raise bad_request(f"{where} is not valid Unicode text: it holds a lone surrogate (U+D800..U+DFFF); "
+                              "send UTF-8 text.", param=field)
+        return data
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def lone_surrogate_at(data: Any) -> tuple[str, str | None] | None:
+    """(where, top-level field) of the first string in parsed JSON that holds a lone surrogate; None if none does.
+
+    ``where`` reads like ``messages[0].content``. Iterative, so a deeply nested body cannot exhaust the stack.
+    """
+    stack: list[tuple[str, str | None, Any]] = [("", None, data)]
+    while stack:
+        path, field, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path or "the body", field
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not _is_unicode(key):
+                    return (f"a key of {path}" if path else "a field name"), field
+                stack.append((f"{path}.{key}" if path else str(key), field or str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", field, item) for i, item in enumerate(value))
+    return None
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -110,7 +160,7 @@ class ChatCompletionRequest(SamplingRequest):
     service_tier: str | None = None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -119,7 +169,7 @@ class TokenizeRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

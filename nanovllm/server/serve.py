@@ -2,6 +2,9 @@
 
 Every engine argument (a field of EngineConfig) is also a flag: ``max_num_seqs`` is ``--max-num-seqs``.
 Run directly with ``python -m nanovllm.server.serve MODEL --port 8000``.
+
+SIGTERM (or SIGINT) drains: new requests are refused at once (503, and /health says 503), requests in flight
+run to their end for up to --timeout-graceful-shutdown seconds, then the engine stops and the process exits 0.
 """
 
 from __future__ import annotations
@@ -9,11 +12,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from nanovllm.engine_args import add_engine_args, engine_kwargs
 
 API_KEY_ENV = "NANOVLLM_API_KEY"
+# The OpenAI API's own cap on n: any n a client may send to OpenAI is served; more would let one request fan out
+# into unbounded work (each sample is a sequence of its own).
+DEFAULT_MAX_N = 128
+# Prompts in one /v1/completions request (each becomes an engine request): batch clients stay well under it, and
+# it bounds the work one body can ask for.
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -32,6 +42,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "429 with Retry-After (default: no limit)")
     parser.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                         help="larger request bodies get 413 (default: 8 MiB; 0 for no limit)")
+    parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                        help=f"largest n (samples per prompt) a request may ask for (default: {DEFAULT_MAX_N}, "
+                             "the OpenAI API's own cap)")
+    parser.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                        help="most prompts in one /v1/completions request (default: "
+                             f"{DEFAULT_MAX_PROMPTS_PER_REQUEST})")
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish (default: 30)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -57,11 +73,15 @@ def build_app_from_args(args: argparse.Namespace):
 
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be non-negative, got {args.max_queued_requests}.")
+    for flag in ("max_n", "max_prompts_per_request"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}.")
     kwargs = engine_kwargs(args)  # the positional MODEL is among them, as "model"
     llm = AsyncLLM.from_engine_args(max_queued_requests=args.max_queued_requests, **kwargs)
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     return build_app(llm, served_model_names=names, api_key=args.api_key,
-                     max_request_body_bytes=args.max_request_body_bytes or None)
+                     max_request_body_bytes=args.max_request_body_bytes or None, max_n=args.max_n,
+                     max_prompts_per_request=args.max_prompts_per_request)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -77,8 +97,22 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app_from_args(args)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", app.state.server.model_names, args.host,
                                      args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    server = uvicorn.Server(config)
+    llm = app.state.server.llm
+
+    def handle_exit(sig: int, frame) -> None:
+        # uvicorn's own handler also re-raises the signal once shut down, so a complete drain would still end
+        # the process by the signal (exit status -15); a drain asked for by a signal is a clean exit here.
+        llm.stop_admissions()
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True  # a second Ctrl-C: stop waiting for requests in flight
+        else:
+            server.should_exit = True
+
+    server.handle_exit = handle_exit  # what uvicorn installs for SIGINT and SIGTERM
+    server.run()
     return 0
 
 
