@@ -71,6 +71,7 @@ def test_unknown_architecture_lists_supported(tmp_path):
 
 def test_dummy_weights_from_config_only(tmp_path):
     import json
+
     from tests.helpers import tiny_config
     folder = tmp_path / "shape"
     folder.mkdir()
