@@ -105,6 +105,35 @@ class StepProfiler:
         return rows
 
 
+class StepTimer:
+    """Wall time of the engine's steps by kind (with prefill tokens, decode only); adds no device syncs."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+        self.prefill_step_seconds: list[float] = []
+        self._step = llm.step
+        llm.step = self.step
+
+    def step(self):
+        start = time.perf_counter()
+        result = self._step()
+        kind = "prefill" if self.llm.last_step.prefill_tokens else "decode"
+        self.totals[kind][0] += 1
+        self.totals[kind][1] += time.perf_counter() - start
+        if kind == "prefill":
+            self.prefill_step_seconds.append(round(time.perf_counter() - start, 4))
+        return result
+
+    def report(self) -> dict:
+        return {f"{kind}_steps": count for kind, (count, _) in self.totals.items()} | {
+            f"{kind}_step_seconds": round(seconds, 3) for kind, (_, seconds) in self.totals.items()} | {
+            "each_prefill_step_seconds": self.prefill_step_seconds}
+
+    def close(self) -> None:
+        self.llm.step = self._step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a folder with config.json (random weights)")
@@ -118,6 +147,8 @@ def main() -> None:
     parser.add_argument("--kvcache-block-size", type=int, default=256)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan each step while the one before runs (default: the engine's, on with one GPU)")
     parser.add_argument("--profile", action="store_true", help="report where a step's time goes")
     parser.add_argument("--out", default="results/throughput.json")
     args = parser.parse_args()
@@ -125,7 +156,8 @@ def main() -> None:
     llm = LLM(args.model, load_format="dummy", enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kvcache_block_size=args.kvcache_block_size, device=args.device, dtype=args.dtype)
+              kvcache_block_size=args.kvcache_block_size, device=args.device, dtype=args.dtype,
+              async_scheduling=args.async_scheduling)
     # one warm-up call that touches the shapes the workloads will (prefill chunks, mixed and decode steps)
     warm_prompts, warm_params = workload("W1", 32)
     llm.generate(warm_prompts, [SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)] * 32,
@@ -135,9 +167,11 @@ def main() -> None:
     for name in args.workload:
         prompts, params = workload(name, args.num_requests)
         profiler = StepProfiler(llm) if args.profile else None
+        timer = StepTimer(llm)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
+        timer.close()
         generated = sum(len(o.token_ids) for o in outputs)
         memory, compute = roofline_seconds(llm, prompts, params)
         ceiling = generated / (memory + compute)
@@ -146,7 +180,8 @@ def main() -> None:
                    ceiling_tok_s=round(ceiling, 1), fraction_of_ceiling=round(generated / seconds / ceiling, 3),
                    enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
                    preemptions=llm.scheduler.stats.num_preemptions, kv_blocks=llm.num_kvcache_blocks,
-                   model=os.path.basename(os.path.normpath(args.model)))
+                   async_scheduling=llm.async_scheduling, model=os.path.basename(os.path.normpath(args.model)),
+                   **timer.report())
         if profiler:
             row["profile_seconds"] = profiler.report(seconds)
         results.append(row)
@@ -156,6 +191,10 @@ def main() -> None:
     for r in results:
         print(f"{r['workload']:<9}{r['requests']:>9}{r['prompt_tokens']:>12}{r['output_tokens']:>12}{r['seconds']:>9.2f}"
               f"{r['output_tok_s']:>11,.0f}{r['ceiling_tok_s']:>9,.0f}{r['fraction_of_ceiling']:>9.2f}")
+        print(f"{'':<9}steps with prefill: {r['prefill_steps']} in {r['prefill_step_seconds']:.2f} s; "
+              f"decode-only: {r['decode_steps']} in {r['decode_step_seconds']:.2f} s; "
+              f"async scheduling {'on' if r['async_scheduling'] else 'off'}; each step with prefill (s): "
+              f"{r['each_prefill_step_seconds']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

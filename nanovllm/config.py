@@ -30,13 +30,17 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # pool size in bytes; default 2 GiB on the CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (CUDA only)
     enable_prefix_caching: bool = True
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on the CPU bfloat16 where it has native bf16 matmuls, else float32
     device: str | None = None  # "cuda" when available, else "cpu"
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     load_format: str = "auto"
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # "torch" or "triton"; default triton on CUDA, torch on the CPU
+    # plan step n+1 while step n runs (default: CUDA with tensor_parallel_size 1); the CPU gains nothing from it
+    async_scheduling: bool | None = None
+    # CPU, float32 models: steps of 1-2 tokens multiply by float16 copies of the weights (layers/cpu.py)
+    cpu_fp16_decode: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -77,13 +81,20 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
     @property
+    def async_scheduling_enabled(self) -> bool:
+        if self.async_scheduling is None:
+            return self.is_cuda and self.tensor_parallel_size == 1
+        return self.async_scheduling
+
+    @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.is_cuda else torch.float32
+            from nanovllm.layers.cpu import default_cpu_dtype
+            return torch.bfloat16 if self.is_cuda else default_cpu_dtype()
         return DTYPES[self.dtype]
 
 

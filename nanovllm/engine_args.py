@@ -18,13 +18,19 @@ HELP = {
     "kv_cache_memory_bytes": "KV-cache pool size in bytes (default on the CPU: 2 GiB)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
-    "dtype": "auto (bfloat16 on CUDA, float32 on the CPU), float32, float16 or bfloat16",
+    "dtype": "auto (bfloat16 on CUDA, and on CPUs with AVX512-BF16 or AMX; else float32), float32, float16 or "
+             "bfloat16",
     "device": "cpu or cuda (default: cuda when available)",
     "seed": "random seed of sampling and of dummy weights",
     "enforce_eager": "no CUDA graphs",
     "load_format": "auto, safetensors, gguf or dummy (random weights from config.json)",
     "tensor_parallel_size": "number of GPUs (or CPU processes) to split the model across",
     "attention_backend": "torch or triton (default: triton on CUDA, torch on the CPU)",
+    "async_scheduling": "plan and launch each step while the one before still runs, so the device never waits "
+                        "for the host (default: on with CUDA and one GPU)",
+    "cpu_fp16_decode": "CPU, float32 models: steps of 1-2 tokens (one or two requests decoding) multiply by "
+                       "float16 copies of the weights: about 2x faster where memory bandwidth limits them, half "
+                       "again the weight memory, float16 rounding",
 }
 
 
@@ -37,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True)
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
         default = field.default
-        if kind is bool:
+        if kind is bool or bool in typing.get_args(kind):  # bool | None: None = decided by the engine
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=HELP.get(field.name))
             continue

@@ -58,15 +58,17 @@ def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int) ->
 def hf_greedy_model(model, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decoding with transformers' own KV cache; EOS does not stop it (as ignore_eos)."""
     model.eval()
+    device = next(model.parameters()).device
     outs, first_logits = [], []
     for prompt in prompts:
-        out = model(torch.tensor([prompt]), use_cache=True)
+        out = model(torch.tensor([prompt], device=device), use_cache=True)
         generated = []
         for step in range(max_new_tokens):
             logits = out.logits[0, -1]
             if step == 0:
                 first_logits.append(logits)
             generated.append(int(logits.argmax()))
-            out = model(torch.tensor([[generated[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[generated[-1]]], device=device), past_key_values=out.past_key_values,
+                        use_cache=True)
         outs.append(generated)
     return outs, first_logits

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -84,14 +86,111 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
+# -- the CPU's fast path ---------------------------------------------------------------------------------------
+# Same results as the references above (up to float rounding), cheaper on a CPU, where attention at batch 64 is
+# mostly memory traffic: the references copy whole blocks per request (`cache[block_table]`, a slow advanced
+# index) and then run small batched matmuls; here each step gathers only the live slots, once per step's plan,
+# with one index_select per layer, and one fused scaled_dot_product_attention (flash kernel) does the rest.
+@dataclass
+class DecodePlan:
+    """Where the K/V of a step's decode requests sit in the cache, computed once per step for every layer."""
+
+    slots: torch.Tensor  # [num_decodes * max_len] int64: cache slot of token j of request i at i * max_len + j
+    valid: torch.Tensor  # [num_decodes, 1, 1, max_len] bool: j < seq_len (padding slots point at slot 0)
+    max_len: int
+
+
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, block_size: int) -> DecodePlan:
+    """block_tables: [num_seqs, max_blocks] (ids < 0 are padding); seq_lens: [num_seqs]."""
+    positions = torch.arange(max_len, device=block_tables.device)
+    num_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long().clamp_min(0)
+    slots = table[:, positions // block_size] * block_size + positions % block_size  # [num_seqs, max_len]
+    valid = positions[None, :] < seq_lens[:, None].long()
+    return DecodePlan(slots.reshape(-1), valid[:, None, None, :], max_len)
+
+
+def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+                         scale: float) -> torch.Tensor:
+    """decode_attention_ref's result. q: [num_seqs, num_heads, head_dim] -> like q."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    # [num_seqs, num_kv_heads, max_len, head_dim] views of one gathered copy
+    keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    keys = keys.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    values = values.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2)
+    # the query heads of one KV head are that head's "query tokens": GQA without repeating K/V
+    group = num_heads // num_kv_heads
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.valid, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)  # a fully masked row (seq_len 0) gives 0
+
+
+def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
+                          seq_lens: list[int], scale: float) -> torch.Tensor:
+    """prefill_attention_ref's result; a request with no cached context attends over its own k, v, never
+    reading the cache. q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
+    out = torch.empty_like(q)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
+    start = 0
+    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        end = start + query_len
+        context_len = seq_len - query_len
+        if context_len == 0:
+            keys, values, mask = k[start:end].to(k_cache.dtype), v[start:end].to(v_cache.dtype), None
+        else:
+            positions = torch.arange(seq_len, device=q.device)
+            slots = block_tables[i].long()[positions // block_size] * block_size + positions % block_size
+            keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+            values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+            mask = positions[None, :] <= positions[context_len:, None]  # [query_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q[start:end].to(keys.dtype).transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
+        start = end
+    return out
+
+
+def store_kvcache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """store_kvcache_ref when every slot is >= 0: one index_copy_ each, no boolean mask."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+@dataclass
+class _StepPlan:
+    meta: AttentionMetadata  # the step it belongs to (every layer of a step gets the same object)
+    all_slots_valid: bool
+    decode: DecodePlan | None
+
+
 class TorchAttentionBackend:
-    """Reference backend: correct on any device, loops over prefill requests on the host."""
+    """Attention in plain torch on any device: the reference functions, or on the CPU their fast versions."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None  # what the CPU path derives once per step
+
+    def _step_plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
+        if self._plan is None or self._plan.meta is not meta:
+            nd = meta.num_decodes
+            decode = decode_plan(meta.block_tables[:nd], meta.seq_lens[:nd], max(meta.seq_lens_host[:nd]),
+                                 block_size) if nd else None
+            valid = meta.slot_mapping.numel() == 0 or bool(meta.slot_mapping.min() >= 0)
+            self._plan = _StepPlan(meta, valid, decode)
+        return self._plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
+        if q.device.type == "cpu":
+            return self._forward_cpu(q, k, v, k_cache, v_cache, meta, scale)
         store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -102,4 +201,20 @@ class TorchAttentionBackend:
             cu = meta.cu_seqlens_q[nd:] - nd
             out[nd:] = prefill_attention_ref(q[nd:], k_cache, v_cache, meta.block_tables[nd:], cu,
                                              meta.seq_lens[nd:], scale)
+        return out
+
+    def _forward_cpu(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        plan = self._step_plan(meta, k_cache.shape[1])
+        if plan.all_slots_valid:
+            store_kvcache_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        if not meta.num_prefills:
+            return decode_attention_cpu(q, k_cache, v_cache, plan.decode, scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = decode_attention_cpu(q[:nd], k_cache, v_cache, plan.decode, scale)
+        out[nd:] = prefill_attention_cpu(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                                         meta.query_lens_host[nd:], meta.seq_lens_host[nd:], scale)
         return out

@@ -60,8 +60,41 @@ def prepare_batch(seqs: list[Sequence], block_size: int, device: torch.device) -
     slot_mapping = block_tables[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     sampled = [i for i, s in enumerate(seqs) if needs_sample(s)]
-    sample_rows = cu_seqlens_q[1:][sampled] - 1
+    return _pack(input_ids, positions, slot_mapping, cu_seqlens_q, query_lens, seq_lens, block_tables, sampled,
+                 num_decodes, device)
 
+
+def prepare_decode_ahead(seqs: list[Sequence], source_rows: list[int], block_size: int,
+                         device: torch.device) -> StepBatch:
+    """Inputs of a decode step planned while the previous step still runs (asynchronous scheduling).
+
+    Each sequence has one token in flight: sampled by the previous step, not yet appended on the host. This
+    step computes that token, at position ``num_tokens``, so the block manager must already hold a slot for it.
+    Its id is only on the device: ``input_ids`` holds ``source_rows`` (row i: which row of the previous step's
+    sampled tokens is sequence i's), for the runner to gather from there.
+    """
+    num_seqs = len(seqs)
+    positions = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=num_seqs)
+    seq_lens = positions + 1
+    query_lens = np.ones(num_seqs, dtype=np.int64)
+    cu_seqlens_q = np.arange(num_seqs + 1, dtype=np.int64)
+    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=num_seqs)
+    block_tables = np.full((num_seqs, int(table_lens.max())), -1, dtype=np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(table_lens.sum()))
+    slot_mapping = (block_tables[np.arange(num_seqs), positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+    rows = np.asarray(source_rows, dtype=np.int64)
+    return _pack(rows, positions, slot_mapping, cu_seqlens_q, query_lens, seq_lens, block_tables,
+                 list(range(num_seqs)), num_seqs, device)
+
+
+def _pack(input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
+          query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, sampled: list[int],
+          num_decodes: int, device: torch.device) -> StepBatch:
+    """The step's arrays as device tensors: two host buffers (int64 and int32), one copy each."""
+    num_seqs, num_tokens = len(query_lens), len(input_ids)
+    sample_rows = cu_seqlens_q[1:][sampled] - 1
     longs = _to_device(np.concatenate([input_ids, positions, slot_mapping, sample_rows]), device)
     ints = _to_device(np.concatenate([cu_seqlens_q.astype(np.int32), seq_lens.astype(np.int32),
                                       block_tables.ravel()]), device)

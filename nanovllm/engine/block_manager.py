@@ -144,6 +144,12 @@ class BlockManager:
             assert len(seq.block_table) + 1 == seq.num_blocks
             seq.block_table.append(self._take_free_block())
 
+    def reserve_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Give seq blocks for its first ``num_tokens`` tokens (a token still in flight included); the caller
+        has checked there are enough free blocks."""
+        while len(seq.block_table) * self.block_size < num_tokens:
+            seq.block_table.append(self._take_free_block())
+
     # -- prefix cache ---------------------------------------------------------------------------------------
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Publish seq's full blocks whose K/V is now computed, so later requests can hit them.

@@ -95,6 +95,8 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
         self.last_step = StepStats()
+        self._in_flight = None  # the step launched ahead (asynchronous scheduling), not yet read
+        self.async_scheduling = config.async_scheduling_enabled and hasattr(self.runner, "launch")
 
     # -- requests -------------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -218,23 +220,49 @@ class LLMEngine:
         request is finished when ``is_request_finished`` says so (every sample finished).
         """
         start = time.perf_counter()
-        seqs = self.scheduler.schedule()
-        if not seqs:
-            self.last_step = StepStats()
-            return []
+        current, self._in_flight = self._in_flight, None
+        if current is not None and all(s.is_finished for s in current.seqs):
+            current = None  # every request of the planned step ended meanwhile: nothing of it is wanted
+        if current is None:
+            seqs = self.scheduler.schedule()
+            if not seqs:
+                self.last_step = StepStats()
+                return []
+            for seq in seqs:
+                if seq.is_prefill and seq.index == 0:
+                    state = self.requests.get(seq.request_id)
+                    if state is not None and state.num_cached_tokens is None:
+                        state.num_cached_tokens = seq.num_cached_tokens  # what the prefix cache served
+            current = self._launch(seqs)
+        seqs = current.seqs
         prefill = sum(s.num_scheduled_tokens for s in seqs if s.is_prefill)
         decode = sum(1 for s in seqs if not s.is_prefill)
-        for seq in seqs:
-            if seq.is_prefill and seq.index == 0:
-                state = self.requests.get(seq.request_id)
-                if state is not None and state.num_cached_tokens is None:
-                    state.num_cached_tokens = seq.num_cached_tokens  # what the prefix cache served
-        output = self.runner.run(seqs)
+        if self.async_scheduling:
+            # plan and launch the next step before reading this one's tokens: the device never waits for the host
+            ahead = self.scheduler.schedule_ahead(seqs)
+            if ahead:
+                self._in_flight = self.runner.launch(ahead, after=current)
+        output = current.result()
+        ended = [seq.is_finished for seq in seqs]  # while the step ran (aborted, or stopped by the step before)
+        for i in (i for i, e in enumerate(ended) if e):
+            output.token_ids[i] = output.logprobs[i] = None  # drop its token
+            output.prompt_logprobs.pop(i, None)
         self.scheduler.postprocess(seqs, output.token_ids)
         self._record(seqs, output)
+        if self._in_flight is not None:
+            for seq in self._in_flight.seqs:
+                if not seq.is_finished:
+                    seq.num_scheduled_tokens = 1  # its token in flight, now appended, is what the next step computes
         self.last_step = StepStats(prefill, decode, time.perf_counter() - start)
-        return [s for s, t in zip(seqs, output.token_ids, strict=True)
-                if t is not None or s.finish_reason == "error"]
+        return [s for s, t, e in zip(seqs, output.token_ids, ended, strict=True)
+                if not e and (t is not None or s.finish_reason == "error")]
+
+    def _launch(self, seqs: list[Sequence]):
+        """Start a scheduled step (a runner without ``launch`` runs it to the end here)."""
+        launch = getattr(self.runner, "launch", None)
+        if launch is not None:
+            return launch(seqs)
+        return _FinishedStep(seqs, self.runner.run(seqs))
 
     def _record(self, seqs: list[Sequence], output: RunnerOutput) -> None:
         """Take in the step's logprobs, check stop strings, and start the other samples of n > 1 requests.
@@ -395,6 +423,17 @@ class LLMEngine:
         runner = getattr(self, "runner", None)
         if runner is not None and hasattr(runner, "close"):
             runner.close()
+
+
+@dataclass
+class _FinishedStep:
+    """A step some runner ran to the end; the same ``result()`` as a launched step."""
+
+    seqs: list[Sequence]
+    output: RunnerOutput
+
+    def result(self) -> RunnerOutput:
+        return self.output
 
 
 def check_unicode(text: str, what: str) -> None:

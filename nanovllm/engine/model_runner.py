@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
-from nanovllm.engine.batch import StepBatch, prepare_batch
+from nanovllm.engine.batch import StepBatch, prepare_batch, prepare_decode_ahead
 from nanovllm.engine.sampling import (
     RunnerOutput,
     build_sampling_tensors,
@@ -18,7 +19,8 @@ from nanovllm.engine.sampling import (
     wants_prompt_logprobs,
 )
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.cpu import pack_model_for_cpu
+from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
 
@@ -55,10 +57,15 @@ class ModelRunner:
         self.model.eval()
         load_weights(self.model, checkpoint_tensors(self.model, model_path, config, self.device),
                      source=model_path if config.load_format != "dummy" else "dummy weights")
+        if self.device.type == "cpu":
+            # oneDNN's weight layout: the CPU's matmuls are most of its time
+            pack_model_for_cpu(self.model, fp16_rows=config.cpu_fp16_decode)
 
         self.backend = make_attention_backend(config)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # CUDA: sampling noise is drawn inside the sampling kernel from per-step seeds (nanovllm/kernels/sampling.py)
+        self.seed_source = np.random.default_rng(config.seed) if self.device.type == "cuda" else None
         self.num_kvcache_blocks = self._agree_across_ranks(self._decide_num_blocks())
         self._allocate_kv_cache(self.num_kvcache_blocks)
         self.graphs = None
@@ -116,7 +123,9 @@ class ModelRunner:
                 break
         batch = prepare_batch(seqs, self.block_size, self.device)
         batch.meta.slot_mapping.fill_(-1)  # write nothing: the one-block cache is only there to be read
-        self._forward(batch)
+        hidden = self._forward(batch)
+        self._profile_sampler(hidden)
+        del hidden
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -124,6 +133,18 @@ class ModelRunner:
         usable = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
         self.kv_cache = None
         return int(usable // self.kv_bytes_per_block)
+
+    def _profile_sampler(self, hidden: torch.Tensor) -> None:
+        """Sample max_num_seqs rows the costliest way (top-p sorts the vocabulary, logprobs add a log-softmax):
+        its [rows, vocab] float32 temporaries can outweigh the forward's, and the KV pool must leave room."""
+        rows = min(self.config.max_num_seqs, hidden.shape[0])
+        logits = self.model.compute_logits(hidden[:rows])
+        if logits is None:
+            return
+        ones = torch.ones(rows, device=self.device)
+        params = SamplingTensors(temperatures=ones, top_p=ones * 0.9, top_k=ones.long() * 50, max_top_k=50,
+                                 logprob_rows=torch.arange(rows, device=self.device), num_logprobs=20)
+        self.sampler(logits, params, self.generator)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
@@ -147,7 +168,22 @@ class ModelRunner:
         prompt_logprobs). None derives them from the sequences (``needs_prompt_logprobs``), which only rank 0's
         Sequences carry: a tensor-parallel driver must compute the list on rank 0 and give every rank the same.
         """
-        batch = prepare_batch(seqs, self.block_size, self.device)
+        return self.launch(seqs, prompt_logprob_seqs).result()
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], prompt_logprob_seqs: list[int] | None = None,
+               after: StepHandle | None = None) -> StepHandle:
+        """Start the step on the device and return at once (on CUDA); ``result()`` waits for its tokens.
+
+        after: the step still running before this one, whose sampled tokens are this step's inputs: every
+        sequence here decodes the token it has in flight there (see ``prepare_decode_ahead``).
+        """
+        if after is None:
+            batch = prepare_batch(seqs, self.block_size, self.device)
+        else:
+            rows = after.row_of_seq
+            batch = prepare_decode_ahead(seqs, [rows[id(s)] for s in seqs], self.block_size, self.device)
+            batch.input_ids = after.token_ids.index_select(0, batch.input_ids)
         if self.graphs is not None and batch.is_decode_only and self.graphs.fits(len(seqs)):
             hidden = self.graphs.replay(batch)
         else:
@@ -155,25 +191,76 @@ class ModelRunner:
         return self._sample(seqs, batch, hidden, prompt_logprob_seqs)
 
     def _sample(self, seqs: list[Sequence], batch: StepBatch, hidden: torch.Tensor,
-                prompt_logprob_seqs: list[int] | None) -> RunnerOutput:
-        output = RunnerOutput(token_ids=[None] * len(seqs), logprobs=[None] * len(seqs))
+                prompt_logprob_seqs: list[int] | None) -> StepHandle:
+        handle = StepHandle(seqs, batch)
         logits = self.model.compute_logits(hidden[batch.sample_indices])  # every rank: the LM head gathers
         if prompt_logprob_seqs is None:
             prompt_logprob_seqs = [i for i, s in enumerate(seqs) if wants_prompt_logprobs(s)]
         plan = prompt_logprob_rows(seqs, prompt_logprob_seqs) if prompt_logprob_seqs else []
         if plan:
-            output.prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, seqs, plan)
+            handle.prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, seqs, plan)
         if logits is None or not batch.sampled_seq_indices:
-            return output
+            return handle
         sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices]
-        params = build_sampling_tensors(sampled_seqs, logits.shape[-1], self.device)
+        params = build_sampling_tensors(sampled_seqs, logits.shape[-1], self.device, self.seed_source)
         result = self.sampler(logits, params, self.generator)
-        token_ids = result.token_ids.tolist()
+        handle.token_ids = result.token_ids
+        handle.fetch(result)
+        return handle
+
+
+class StepHandle:
+    """A step started on the device: its sampled tokens (device tensor), copied to the host without blocking.
+
+    ``result()`` waits for that copy only, not for work queued after the step, so the host can plan and launch
+    the next step before this one's tokens are known (asynchronous scheduling).
+    """
+
+    def __init__(self, seqs: list[Sequence], batch: StepBatch):
+        self.seqs = seqs
+        self.batch = batch
+        self.token_ids: torch.Tensor | None = None  # [num_sampled] on the device, batch.sampled_seq_indices order
+        self.prompt_logprobs = {}
+        self._host: list[torch.Tensor] = []  # token ids, then the logprobs tensors
+        self._logprobs = None
+        self._done: torch.cuda.Event | None = None
+
+    @property
+    def row_of_seq(self) -> dict[int, int]:
+        """id(sequence) -> its row in ``token_ids``."""
+        return {id(self.seqs[i]): row for row, i in enumerate(self.batch.sampled_seq_indices)}
+
+    def fetch(self, result) -> None:
+        tensors = [result.token_ids]
+        if result.logprobs is not None:
+            self._logprobs = result.logprobs
+            tensors += [result.logprobs.sampled, result.logprobs.ranks, result.logprobs.top_ids,
+                        result.logprobs.top_logprobs]
+        if result.token_ids.device.type != "cuda":
+            self._host = tensors
+            return
+        for tensor in tensors:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._host.append(host)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def result(self) -> RunnerOutput:
+        seqs, batch = self.seqs, self.batch
+        output = RunnerOutput(token_ids=[None] * len(seqs), logprobs=[None] * len(seqs),
+                              prompt_logprobs=self.prompt_logprobs)
+        if not self._host:
+            return output
+        if self._done is not None:
+            self._done.synchronize()
+        token_ids = self._host[0].tolist()
         for i, token in zip(batch.sampled_seq_indices, token_ids, strict=True):
             output.token_ids[i] = token
-        if result.logprobs is not None:
+        if self._logprobs is not None:
+            sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices]
             rows = [j for j, s in enumerate(sampled_seqs) if s.sampling_params.logprobs is not None]
-            entries = logprob_entries(result.logprobs, [token_ids[j] for j in rows],
+            entries = logprob_entries(SampledLogprobs(*self._host[1:]), [token_ids[j] for j in rows],
                                       [sampled_seqs[j].sampling_params.logprobs for j in rows])
             for j, entry in zip(rows, entries, strict=True):
                 output.logprobs[batch.sampled_seq_indices[j]] = entry

@@ -93,8 +93,21 @@ def request_generator(seq: Sequence, device: torch.device) -> torch.Generator | 
 _GREEDY_ROW = (0.0, 1.0, 0, 0.0)
 
 
-def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingTensors:
-    """Per-row settings of the sequences that get a token this step (row i = seqs[i]); one pass over them."""
+def row_seed_source(seq: Sequence) -> np.random.Generator:
+    """The seeded request's own host generator of per-step seeds (sample i of n uses seed + i)."""
+    if seq.generator is None:
+        seq.generator = np.random.default_rng((seq.sampling_params.seed + seq.index) & _SEED_MASK)
+    return seq.generator
+
+
+def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device,
+                           seed_source: np.random.Generator | None = None) -> SamplingTensors:
+    """Per-row settings of the sequences that get a token this step (row i = seqs[i]); one pass over them.
+
+    seed_source: draw each sampled row's noise inside the sampling kernel from a per-step seed (CUDA): unseeded
+    rows take their seeds from it, seeded requests from their own host generator. None: noise from torch
+    generators (``generators`` and the sampler's).
+    """
     rows: list[tuple] = []  # temperature (0 = greedy), top_p, top_k, min_p
     generators: dict[int, torch.Generator] = {}
     banned: list[tuple[int, int]] = []
@@ -114,7 +127,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
             any_min_p = any_min_p or p.min_p > 0.0
             max_top_k = max(max_top_k, p.top_k)
             if p.seed is not None:
-                generators[i] = request_generator(seq, device)
+                generators[i] = row_seed_source(seq) if seed_source is not None else request_generator(seq, device)
         if p.min_tokens and seq.num_completion_tokens < p.min_tokens:
             banned.extend((i, t) for t in seq.min_tokens_stop_ids)
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
@@ -128,7 +141,13 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
     else:
         # one host->device copy for the four per-row values
         values = _to_device(np.array(rows, dtype=np.float32).T.copy(), device)
-        tensors = SamplingTensors(temperatures=values[0], generators=generators)
+        if seed_source is None:
+            tensors = SamplingTensors(temperatures=values[0], generators=generators)
+        else:
+            seeds = seed_source.integers(0, 1 << 62, size=len(seqs), dtype=np.int64)
+            for i, source in generators.items():
+                seeds[i] = source.integers(0, 1 << 62)
+            tensors = SamplingTensors(temperatures=values[0], row_seeds=_to_device(seeds, device))
         if any_top_p:
             tensors.top_p = values[1]
         if max_top_k > 0:

@@ -124,6 +124,39 @@ class Scheduler:
                 self.running.append(seq)
         return scheduled
 
+    def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence]:
+        """The next step planned while ``in_flight`` (the step just launched) still runs; [] if it cannot be.
+
+        Each running sequence then has one token in flight, whose id only the device knows yet; the next step
+        decodes it. That plan holds only when the next step is exactly "every running request decodes": nothing
+        waits, every running request samples a token in the step in flight, no request's sampling reads its own
+        history (penalties, a min_tokens mask), and free blocks cover every new block needed (no preemption).
+        A request that will reach its length limit with the token in flight is left out; one that stops on EOS
+        or a stop string is only known later: its token of the planned step is dropped (``postprocess``).
+        """
+        if self.waiting or not self.running or len(self.running) > self.config.max_num_batched_tokens:
+            return []
+        sampled = {id(s) for s in in_flight if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens}
+        block_size = self.config.kvcache_block_size
+        seqs, new_blocks = [], 0
+        for seq in self.running:
+            params = seq.sampling_params
+            if (id(seq) not in sampled or params.min_tokens > seq.num_completion_tokens
+                    or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0):
+                return []
+            after = seq.num_tokens + 1  # once the token in flight is appended
+            if ((seq.max_tokens is not None and after - seq.num_prompt_tokens >= seq.max_tokens)
+                    or after >= self.config.max_model_len):
+                continue  # finishes with the token in flight: nothing more to compute
+            if len(seq.block_table) * block_size < after:
+                new_blocks += 1
+            seqs.append(seq)
+        if new_blocks > self.block_manager.num_free_blocks:
+            return []
+        for seq in seqs:
+            self.block_manager.reserve_slots(seq, seq.num_tokens + 1)
+        return seqs
+
     @contextmanager
     def _prefix_cache_reads(self, seq: Sequence) -> Iterator[None]:
         """A request that wants prompt_logprobs computes its whole prompt: a cache hit would skip the rows its
@@ -151,6 +184,8 @@ class Scheduler:
         """
         finished = []
         for seq, token_id in zip(seqs, token_ids, strict=True):
+            if seq.is_finished:
+                continue  # ended while the step ran (aborted, or stopped by the step before)
             if seq.is_prefill:
                 self.stats.num_prompt_tokens_computed += seq.num_scheduled_tokens
             else:

@@ -44,10 +44,18 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim] each; float32, cast to the activations' dtype on use
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # CPU: (positions, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        return apply_rotary(positions, q, k, self.cos, self.sin)
+        if q.is_cuda:
+            return apply_rotary(positions, q, k, self.cos, self.sin)
+        # CPU, eager: every layer of a step rotates at the same positions (one tensor): look cos/sin up once
+        if self._step is None or self._step[0] is not positions or self._step[1].dtype != q.dtype:
+            self._step = (positions, self.cos[positions].unsqueeze(1).to(q.dtype),
+                          self.sin[positions].unsqueeze(1).to(q.dtype))
+        _, cos, sin = self._step
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 @cuda_compiled

@@ -48,6 +48,9 @@ class SamplingTensors:
     prompt_mask: torch.Tensor | None = None  # [R, V] bool: token occurs in the prompt
     # row -> its own generator (seeded requests)
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # [B] int64: each row's seed for this step, when the noise is drawn inside the sampling kernel (CUDA); then
+    # ``generators`` is unused: a seeded request's seeds come from its own host generator
+    row_seeds: torch.Tensor | None = None
     # logprobs, for the rows that report them (L of them)
     logprob_rows: torch.Tensor | None = None  # [L] int64
     num_logprobs: int = 0  # top-k width (the largest request in the batch)
@@ -155,12 +158,14 @@ class Sampler(nn.Module):
         """
         if isinstance(params, torch.Tensor):
             params = SamplingTensors(temperatures=params)
-        logits = logits.float()
         sampled_logprobs = None
         raw_logprobs = None
         if params.logprob_rows is not None:
-            raw_logprobs = torch.log_softmax(logits[params.logprob_rows], dim=-1)
+            raw_logprobs = torch.log_softmax(logits[params.logprob_rows].float(), dim=-1)
 
+        # float32 only where logits are changed; the kernel path reads the model's dtype as it is
+        if params.banned_rows is not None or params.penalty_rows is not None or params.row_seeds is None:
+            logits = logits.float()
         if params.banned_rows is not None:
             logits = logits.index_put((params.banned_rows, params.banned_tokens), logits.new_full((), float("-inf")))
         if params.penalty_rows is not None:
@@ -170,24 +175,35 @@ class Sampler(nn.Module):
                                         params.repetition_penalties)
             logits = logits.index_copy(0, rows, penalised)
 
-        greedy = logits.argmax(dim=-1)
+        filtered = params.min_p is not None or params.top_p is not None or params.top_k is not None
         if params.all_greedy:
-            token_ids = greedy
+            token_ids = logits.argmax(dim=-1)
+        elif params.row_seeds is not None and not filtered:
+            token_ids = gumbel_argmax(logits, params.temperatures, params.row_seeds)  # one pass, no softmax
         else:
             temperatures = params.temperatures
             is_greedy = temperatures == 0
-            scaled = logits / torch.where(is_greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
+            scaled = logits.float() / torch.where(is_greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
             if params.min_p is not None:
                 scaled = apply_min_p(scaled, params.min_p)
             if params.top_p is not None:
                 scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
             elif params.top_k is not None:
                 scaled = apply_top_k(scaled, params.top_k, params.max_top_k)
-            probs = torch.softmax(scaled, dim=-1)
-            noise = exponential_noise(probs.shape, probs.device, generator, params.generators)
-            sampled = (probs / noise).argmax(dim=-1)
-            token_ids = torch.where(is_greedy, greedy, sampled)
+            if params.row_seeds is not None:
+                # already divided by the temperature: the kernel only adds the row's noise (0 keeps greedy rows)
+                token_ids = gumbel_argmax(scaled, is_greedy.logical_not().float(), params.row_seeds)
+            else:
+                probs = torch.softmax(scaled, dim=-1)
+                noise = exponential_noise(probs.shape, probs.device, generator, params.generators)
+                sampled = (probs / noise).argmax(dim=-1)
+                token_ids = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
         if raw_logprobs is not None:
             sampled_logprobs = compute_logprobs(raw_logprobs, token_ids[params.logprob_rows], params.num_logprobs)
         return SamplerOutput(token_ids, sampled_logprobs)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, row_seeds: torch.Tensor) -> torch.Tensor:
+    from nanovllm.kernels.sampling import gumbel_argmax as kernel  # triton only when this path runs
+    return kernel(logits, temperatures, row_seeds)

@@ -1,0 +1,81 @@
+"""CPU fast paths: which dtype pays on this CPU, and linear weights prepacked for oneDNN.
+
+On the CPU a model's time is its matmuls. torch's default ``F.linear`` goes through BLAS with the weight in
+its checkpoint layout; oneDNN with the weight reordered once into its own blocked layout runs the batched
+matmuls of a decode step about 1.5x faster on a 2-core AVX2 machine (docs/benchmarks.md, "CPU"), and one row
+(a lone request's decode step) 1.4x faster. A packed layer keeps only the packed copy, so memory does not double.
+
+One row is a matrix-vector product: it reads every weight once and is bound by memory bandwidth, not FLOPs.
+With ``fp16_rows`` a layer also keeps a float16 copy of its weight for steps of at most HALF_MAX_ROWS rows:
+torch's float16 matrix-vector kernel (float32 accumulation) reads half the bytes, about 2x faster than float32
+there, at the cost of float16 rounding and half again the weight memory (EngineConfig.cpu_fp16_decode).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+# the batch size oneDNN picks the packed layout for (a hint: any number of rows works)
+PACK_BATCH_HINT = 64
+# the most rows for which the float16 copy beats packed float32 (measured: 1 and 2 rows yes, 3 even, 4 no)
+HALF_MAX_ROWS = 2
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Without it bf16 matmuls run
+    through conversions and are several times slower than float32, so float32 is the CPU's default there."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check is not None and check() for check in checks)
+
+
+def default_cpu_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has native bf16 matmuls, float32 elsewhere."""
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def can_pack() -> bool:
+    """oneDNN prepacking is on unless NANOVLLM_CPU_PACK=0 or torch lacks oneDNN."""
+    return os.environ.get("NANOVLLM_CPU_PACK", "1") != "0" and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight: [out_features, in_features] (float32 or bfloat16) -> an opaque oneDNN tensor for packed_linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T (+ b) with a weight from pack_weight; x: [..., in_features] -> [..., out_features]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T (+ b) through a float16 weight, in x's dtype; for a few rows (HALF_MAX_ROWS)."""
+    y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def pack_model_for_cpu(model: torch.nn.Module, fp16_rows: bool = False) -> int:
+    """Prepack every linear layer and the LM head of a model whose weights are loaded; returns how many.
+
+    fp16_rows: also keep float16 copies for steps of at most HALF_MAX_ROWS rows (float32 models only).
+    """
+    if not can_pack():
+        return 0
+    users: dict[int, int] = {}  # weight -> how many modules hold it (a tied LM head shares the embedding's)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            users[id(weight)] = users.get(id(weight), 0) + 1
+    count = 0
+    for module in model.modules():
+        pack = getattr(module, "pack_for_cpu", None)
+        if pack is not None and module.weight.device.type == "cpu" and module.weight.dtype in (
+                torch.float32, torch.bfloat16):
+            pack(release=users[id(module.weight)] == 1, half=fp16_rows and module.weight.dtype == torch.float32)
+            count += 1
+    return count

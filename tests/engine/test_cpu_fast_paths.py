@@ -1,0 +1,163 @@
+"""The CPU's fast paths equal the references: attention over slots, packed and float16 linears, dtype choice."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import (
+    TorchAttentionBackend,
+    decode_attention_cpu,
+    decode_attention_ref,
+    decode_plan,
+    prefill_attention_cpu,
+    prefill_attention_ref,
+    store_kvcache_ref,
+)
+from nanovllm.config import EngineConfig
+from nanovllm.layers import cpu
+from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+
+
+def paged(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(9, 3, 16), (4, 4, 1), (8, 2, 256), (6, 1, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_reference(num_heads, num_kv_heads, block_size, dtype):
+    head_dim = 32
+    seq_lens = torch.tensor([1, 7, 33, 0, 20, 300 if block_size == 256 else 60], dtype=torch.int32)
+    width = (int(seq_lens.max()) + block_size - 1) // block_size
+    num_blocks = len(seq_lens) * width + 3
+    k_cache, v_cache = paged(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = torch.randperm(num_blocks)[:len(seq_lens) * width].view(len(seq_lens), width).int()
+    tables[3] = -1  # a padding request: no blocks, seq_len 0
+    q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
+    ref = decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.3)
+    out = decode_attention_cpu(q, k_cache, v_cache, decode_plan(tables, seq_lens, int(seq_lens.max()), block_size),
+                               0.3)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    assert torch.all(out[3] == 0)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size", [(9, 3, 16), (4, 4, 8), (4, 2, 256)])
+def test_prefill_matches_reference(num_heads, num_kv_heads, block_size):
+    head_dim, num_blocks = 16, 64
+    k_cache, v_cache = paged(num_blocks, block_size, num_kv_heads, head_dim)
+    # (context_len, query_len): fresh prompts, a chunk after a cached prefix, a one-token chunk
+    shapes = [(0, 5), (19, 7), (0, 40), (33, 1)]
+    seq_lens = [c + n for c, n in shapes]
+    width = (max(seq_lens) + block_size - 1) // block_size
+    tables = torch.randperm(num_blocks)[:len(shapes) * width].view(len(shapes), width).int()
+    num_tokens = sum(n for _, n in shapes)
+    q = torch.randn(num_tokens, num_heads, head_dim)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim)
+    slots = torch.cat([tables[i].long()[torch.arange(c, c + n) // block_size] * block_size
+                       + torch.arange(c, c + n) % block_size for i, (c, n) in enumerate(shapes)])
+    store_kvcache_ref(k, v, k_cache, v_cache, slots)
+    cu = torch.tensor([0] + [n for _, n in shapes]).cumsum(0).int()
+    ref = prefill_attention_ref(q, k_cache, v_cache, tables, cu, torch.tensor(seq_lens, dtype=torch.int32), 0.25)
+    out = prefill_attention_cpu(q, k, v, k_cache, v_cache, tables, [n for _, n in shapes], seq_lens, 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_on_a_mixed_batch_matches_the_references():
+    """Decodes first, then prefill chunks; the K/V store skips slots < 0 (the slow path) or not (index_copy_)."""
+    block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
+    for skip_one in (False, True):
+        k_cache, v_cache = paged(32, block_size, num_kv_heads, head_dim)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        # two decodes (seq_len 6 and 9), then a chunk of 3 after 5 cached tokens, then a fresh prompt of 4
+        query_lens, seq_lens = [1, 1, 3, 4], [6, 9, 8, 4]
+        tables = torch.tensor([[0, 1, -1], [2, 3, 4], [5, 6, -1], [7, -1, -1]], dtype=torch.int32)
+        positions = [5, 8, 5, 6, 7, 0, 1, 2, 3]
+        owners = [0, 1, 2, 2, 2, 3, 3, 3, 3]
+        slots = torch.tensor([int(tables[o, p // block_size]) * block_size + p % block_size
+                              for o, p in zip(owners, positions)])
+        if skip_one:
+            slots[1] = -1
+        q = torch.randn(9, num_heads, head_dim)
+        k, v = torch.randn(9, num_kv_heads, head_dim), torch.randn(9, num_kv_heads, head_dim)
+        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=torch.tensor([0, 1, 2, 5, 9], dtype=torch.int32),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+                                 num_decodes=2, num_decode_tokens=2, max_query_len=4, max_seq_len=9,
+                                 query_lens_host=query_lens, seq_lens_host=seq_lens)
+        out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.5)
+        store_kvcache_ref(k, v, k_ref, v_ref, slots)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        ref_decode = decode_attention_ref(q[:2], k_ref, v_ref, tables[:2], meta.seq_lens[:2], 0.5)
+        ref_prefill = prefill_attention_ref(q[2:], k_ref, v_ref, tables[2:], meta.cu_seqlens_q[2:] - 2,
+                                            meta.seq_lens[2:], 0.5)
+        if skip_one:  # the fresh prompt reads its own k/v, the references the cache: equal only where stored
+            torch.testing.assert_close(out[:1], ref_decode[:1], atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(out, torch.cat([ref_decode, ref_prefill]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu.can_pack(), reason="torch without oneDNN")
+def test_packed_linear_equals_f_linear_and_keeps_one_copy():
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(64, 16, 4, 2, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    weight = layer.weight.detach().clone()
+    x = torch.randn(5, 64)
+    expected = F.linear(x, weight, layer.bias)
+    layer.pack_for_cpu()
+    assert layer.weight.numel() == 0, "the plain weight is released"
+    for rows in (1, 5):
+        torch.testing.assert_close(layer(x[:rows]), expected[:rows], atol=1e-5, rtol=1e-5)
+
+    row = RowParallelLinear(64, 32)
+    row.weight.data.normal_()
+    plain = F.linear(x, row.weight.detach().clone())
+    row.pack_for_cpu(half=True)
+    torch.testing.assert_close(row(x), plain, atol=1e-5, rtol=1e-5)  # 5 rows: packed float32
+    torch.testing.assert_close(row(x[:2]), plain[:2], atol=5e-2, rtol=1e-2)  # 2 rows: the float16 copy
+    assert row.half_weight.dtype == torch.float16
+
+
+@pytest.mark.skipif(not cpu.can_pack(), reason="torch without oneDNN")
+def test_tied_lm_head_keeps_the_embedding_weight():
+    model = torch.nn.Module()
+    model.embed = VocabParallelEmbedding(100, 16)
+    model.head = ParallelLMHead(100, 16)
+    model.embed.weight.data.normal_()
+    model.head.weight = model.embed.weight
+    hidden = torch.randn(3, 16)
+    expected = F.linear(hidden, model.embed.weight)
+    assert cpu.pack_model_for_cpu(model) == 1
+    assert model.embed.weight.numel() == 100 * 16
+    torch.testing.assert_close(model.head(hidden), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_dtype_follows_native_bf16(monkeypatch):
+    cpu.cpu_has_fast_bf16.cache_clear()
+    try:
+        for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+            monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda n=native: n, raising=False)
+            monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+            cpu.cpu_has_fast_bf16.cache_clear()
+            assert cpu.default_cpu_dtype() == dtype
+            assert EngineConfig(device="cpu").torch_dtype == dtype
+            assert EngineConfig(device="cpu", dtype="float32").torch_dtype == torch.float32
+    finally:
+        cpu.cpu_has_fast_bf16.cache_clear()
+
+
+def test_engine_with_fp16_decode_generates_like_float32(tiny_qwen3):
+    """Greedy tokens of a lone request with float16 decode copies stay those of float32 on a decisive model."""
+    kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=32, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = [list(range(3, 30))]
+    expected = LLM(tiny_qwen3, **kwargs).generate(prompt, params, use_tqdm=False)[0].token_ids
+    llm = LLM(tiny_qwen3, cpu_fp16_decode=True, **kwargs)
+    assert any(m.half_weight is not None for m in llm.runner.model.modules() if hasattr(m, "half_weight"))
+    assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == expected

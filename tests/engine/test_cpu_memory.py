@@ -1,0 +1,77 @@
+"""Memory on the CPU: the KV pool has the size in bytes it was given and never grows; resident memory is flat
+across repeated batches; `nanovllm generate` on the embedded model stays under 1.5 GiB plus its pool."""
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+
+MiB = 1 << 20
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_default_pool_on_the_cpu_is_2_gib():
+    assert DEFAULT_CPU_KV_CACHE_BYTES == 2 << 30
+    assert EngineConfig(device="cpu").kv_cache_memory_bytes is None  # None: the runner takes the default
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        EngineConfig(device="cpu", kv_cache_memory_bytes=0)
+
+
+def test_pool_has_its_size_in_bytes_and_never_grows(tiny_qwen3):
+    budget = 256 * 1024
+    llm = LLM(tiny_qwen3, device="cpu", kv_cache_memory_bytes=budget, kvcache_block_size=16, max_model_len=256)
+    runner = llm.runner
+    pool = runner.kv_cache
+    assert budget - runner.kv_bytes_per_block < pool.nbytes <= budget
+    assert llm.num_kvcache_blocks == budget // runner.kv_bytes_per_block
+    address, size = pool.data_ptr(), pool.nbytes
+    # eight requests of ~100 tokens need more blocks than the pool has: they take turns (preemption), no growth
+    prompts = [[3 + (i * 7 + j) % 300 for j in range(60)] for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 40 for o in outs)
+    assert runner.kv_cache is pool and pool.data_ptr() == address and pool.nbytes == size
+    assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_resident_memory_is_flat_across_batches(tiny_qwen3):
+    llm = LLM(tiny_qwen3, device="cpu", kv_cache_memory_bytes=8 * MiB, kvcache_block_size=16)
+    prompts = [[3 + (i * 11 + j) % 300 for j in range(50 + i)] for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for _ in range(2):  # warm-up: the allocator's pools, first-call caches
+        llm.generate(prompts, params, use_tqdm=False)
+    sizes = []
+    for _ in range(5):
+        llm.generate(prompts, params, use_tqdm=False)
+        gc.collect()
+        sizes.append(resident_bytes())
+    assert max(sizes) - sizes[0] < 16 * MiB, f"resident memory grew across batches: {[s // MiB for s in sizes]} MiB"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")
+def test_generate_on_the_embedded_model_peaks_under_1_5_gib_plus_the_pool():
+    from nanovllm.loader.default_model import embedded_model_path
+    try:
+        embedded_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    pool = 256 * MiB
+    args = ["generate", "--quiet", "--max-tokens", "16", "--ignore-eos", "--kv-cache-memory-bytes", str(pool),
+            "What is the capital of France?", "Name three primary colors."]
+    # the CLI in a fresh process, which reports its own peak resident set (ru_maxrss: KiB on Linux)
+    script = ("import resource, sys; from nanovllm.cli import main; code = main(sys.argv[1:]); "
+              "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak = int(done.stdout.rsplit("PEAK", 1)[1]) * 1024
+    assert peak < 1.5 * 1024 * MiB + pool, f"peak resident memory {peak / MiB:.0f} MiB"
