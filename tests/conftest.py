@@ -15,6 +15,8 @@ try:
 except ImportError:
     pass
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The oracle (transformers) runs in float32: so does the CPU engine here, also where the CPU would pick bf16.
+os.environ.setdefault("NANOVLLM_CPU_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -24,13 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.jit import jit_unspecialized
+
 LOG2E = math.log2(math.e)
 # A split shorter than this spends more on its prologue and on the reduction than it gains.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
-@triton.jit
+@jit_unspecialized("block_tables_ptr", "seq_lens_ptr", "block_tables_stride", "num_splits")
 def _decode_split_kernel(
     q_ptr,                      # [num_seqs, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,   # [num_blocks, block_size, num_kv_heads, head_dim] (contiguous)
@@ -110,7 +112,7 @@ def _decode_split_kernel(
         tl.store(partial_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=group_mask[:, None])
 
 
-@triton.jit
+@jit_unspecialized("num_splits")
 def _decode_reduce_kernel(
     partial_max_ptr,            # [num_seqs, num_heads, num_splits] fp32
     partial_sum_ptr,            # [num_seqs, num_heads, num_splits] fp32

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.jit import jit_unspecialized
+
 LOG2E = math.log2(math.e)
 
 
@@ -74,7 +76,7 @@ def _attend_key_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+@jit_unspecialized("block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_stride")
 def _prefill_attention_kernel(
     q_ptr,                       # [num_tokens, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,    # [num_blocks, block_size, num_kv_heads, head_dim] (contiguous)

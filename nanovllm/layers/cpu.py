@@ -34,7 +34,13 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def default_cpu_dtype() -> torch.dtype:
-    """bfloat16 where the CPU has native bf16 matmuls, float32 elsewhere."""
+    """bfloat16 where the CPU has native bf16 matmuls, float32 elsewhere; NANOVLLM_CPU_DTYPE=float32 (or
+    bfloat16) decides instead (the test suite pins float32: its oracle is transformers in float32)."""
+    forced = os.environ.get("NANOVLLM_CPU_DTYPE")
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"NANOVLLM_CPU_DTYPE must be float32 or bfloat16, got {forced!r}.")
+        return getattr(torch, forced)
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 

@@ -139,6 +139,7 @@ def test_tied_lm_head_keeps_the_embedding_weight():
 
 
 def test_cpu_dtype_follows_native_bf16(monkeypatch):
+    monkeypatch.delenv("NANOVLLM_CPU_DTYPE", raising=False)
     cpu.cpu_has_fast_bf16.cache_clear()
     try:
         for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
@@ -148,6 +149,8 @@ def test_cpu_dtype_follows_native_bf16(monkeypatch):
             assert cpu.default_cpu_dtype() == dtype
             assert EngineConfig(device="cpu").torch_dtype == dtype
             assert EngineConfig(device="cpu", dtype="float32").torch_dtype == torch.float32
+        monkeypatch.setenv("NANOVLLM_CPU_DTYPE", "bfloat16")
+        assert cpu.default_cpu_dtype() == torch.bfloat16, "the variable decides over the CPU's features"
     finally:
         cpu.cpu_has_fast_bf16.cache_clear()
 

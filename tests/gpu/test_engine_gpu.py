@@ -18,7 +18,7 @@ def prompts():
 
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_gpu_float32_greedy_equals_cpu(tiny_qwen3, block_size):
-    cpu = LLM(tiny_qwen3, device="cpu", kvcache_block_size=block_size, num_kvcache_blocks=4096 // block_size)
+    cpu = LLM(tiny_qwen3, device="cpu", dtype="float32", kvcache_block_size=block_size, num_kvcache_blocks=4096 // block_size)
     expected = [o.token_ids for o in cpu.generate(prompts(), GREEDY, use_tqdm=False)]
     for eager in (True, False):
         gpu = LLM(tiny_qwen3, device="cuda", dtype="float32", enforce_eager=eager, kvcache_block_size=block_size,
