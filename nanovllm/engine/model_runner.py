@@ -184,6 +184,7 @@ class ModelRunner:
             rows = after.row_of_seq
             batch = prepare_decode_ahead(seqs, [rows[id(s)] for s in seqs], self.block_size, self.device)
             batch.input_ids = after.token_ids.index_select(0, batch.input_ids)
+            prompt_logprob_seqs = []  # decodes only; the sequences' step fields still describe the step before
         if self.graphs is not None and batch.is_decode_only and self.graphs.fits(len(seqs)):
             hidden = self.graphs.replay(batch)
         else:

@@ -150,3 +150,4 @@ def test_small_pool_stops_planning_ahead_instead_of_preempting(tiny_qwen3):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert ahead.scheduler.stats.num_preemptions > 0
     assert_all_free(ahead)
+
