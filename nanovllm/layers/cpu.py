@@ -65,6 +65,31 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
+class CpuPackedMatmul:
+    """Mixin of a module with a [out, in] ``weight``: after ``pack_for_cpu``, ``cpu_matmul`` multiplies by the
+    oneDNN-packed copy (and by a float16 copy for steps of at most HALF_MAX_ROWS rows, when asked)."""
+
+    packed_weight: torch.Tensor | None = None
+    half_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self, release: bool = True, half: bool = False) -> None:
+        """release: empty the plain parameter (loading is over), so the model holds one copy of its weights;
+        not when a tied embedding still reads it. half: also keep a float16 copy for steps of a few rows."""
+        self.packed_weight = pack_weight(self.weight)
+        if half:
+            self.half_weight = self.weight.detach().to(torch.float16)
+        if release:
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def cpu_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x W^T (+ b) through whichever copy of the weight fits x."""
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, bias)
+        if self.half_weight is not None and x.numel() <= HALF_MAX_ROWS * x.shape[-1]:
+            return half_linear(x, self.half_weight, bias)
+        return packed_linear(x, self.packed_weight, bias)
+
+
 def pack_model_for_cpu(model: torch.nn.Module, fp16_rows: bool = False) -> int:
     """Prepack every linear layer and the LM head of a model whose weights are loaded; returns how many.
 

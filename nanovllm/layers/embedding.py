@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.state import all_reduce, tp_rank, tp_size
-from nanovllm.layers.cpu import HALF_MAX_ROWS, half_linear, pack_weight, packed_linear
+from nanovllm.layers.cpu import CpuPackedMatmul
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,29 +38,11 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(y)  # tp_size > 1 here
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(CpuPackedMatmul, VocabParallelEmbedding):
     """Logits over the whole vocabulary, gathered on rank 0 (other ranks return None)."""
 
-    packed_weight: torch.Tensor | None = None  # the CPU's oneDNN copy, once pack_for_cpu ran
-    half_weight: torch.Tensor | None = None  # the CPU's float16 copy for a few rows (layers/cpu.py)
-
-    def pack_for_cpu(self, release: bool = True, half: bool = False) -> None:
-        """Multiply with a oneDNN-packed copy of the weight from now on (CPU; see layers/cpu.py).
-        release: empty the plain parameter; not when a tied embedding still reads it.
-        half: also keep a float16 copy for steps of a few rows."""
-        self.packed_weight = pack_weight(self.weight)
-        if half:
-            self.half_weight = self.weight.detach().to(torch.float16)
-        if release:
-            self.weight.data = self.weight.data.new_empty(0)
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.half_weight is not None and hidden.shape[0] <= HALF_MAX_ROWS:
-            logits = half_linear(hidden, self.half_weight, None)
-        elif self.packed_weight is not None:
-            logits = packed_linear(hidden, self.packed_weight, None)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = self.cpu_matmul(hidden, None)  # F.linear unless the CPU packed the weight
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

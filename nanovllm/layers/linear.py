@@ -7,11 +7,10 @@ checkpoint tensor, so the loader is one short loop whatever the parallelism or p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.state import all_reduce, tp_rank, tp_size
-from nanovllm.layers.cpu import HALF_MAX_ROWS, half_linear, pack_weight, packed_linear
+from nanovllm.layers.cpu import CpuPackedMatmul
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -20,7 +19,7 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
+class LinearBase(CpuPackedMatmul, nn.Module):
     """y = x W^T (+ b); tp_dim says which dimension of W is split across ranks (None: replicated)."""
 
     tp_dim: int | None = None
@@ -35,8 +34,6 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed_weight: torch.Tensor | None = None  # the CPU's oneDNN copy, once pack_for_cpu ran
-        self.half_weight: torch.Tensor | None = None  # the CPU's float16 copy for a few rows (layers/cpu.py)
 
     def _shard(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         size = loaded.shape[dim] // self.tp_size
@@ -48,24 +45,7 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded, param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is None:
-            return F.linear(x, self.weight, bias)
-        if self.half_weight is not None and x.numel() <= HALF_MAX_ROWS * x.shape[-1]:
-            return half_linear(x, self.half_weight, bias)
-        return packed_linear(x, self.packed_weight, bias)
-
-    def pack_for_cpu(self, release: bool = True, half: bool = False) -> None:
-        """Multiply with a oneDNN-packed copy of the loaded weight from now on (CPU; see layers/cpu.py).
-        release: empty the plain parameter (loading is over), so the model holds one copy of its weights.
-        half: also keep a float16 copy for steps of a few rows."""
-        self.packed_weight = pack_weight(self.weight)
-        if half:
-            self.half_weight = self.weight.detach().to(torch.float16)
-        if release:
-            self.weight.data = self.weight.data.new_empty(0)
+        return self.cpu_matmul(x, self.bias)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, param) -> None:
@@ -141,6 +121,6 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
+        y = self.cpu_matmul(x, self.bias if self.tp_rank == 0 else None)
         # the layer's own size, fixed when it was built: another engine may share this process
         return all_reduce(y) if self.tp_size > 1 else y
