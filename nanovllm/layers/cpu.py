@@ -1,9 +1,9 @@
-"""CPU fast paths: which dtype pays on this CPU, and linear weights prepacked for oneDNN.
+"""CPU fast paths: which dtype pays on this CPU, linear weights prepacked for oneDNN, float16 decode copies.
 
 On the CPU a model's time is its matmuls. torch's default ``F.linear`` goes through BLAS with the weight in
-its checkpoint layout; oneDNN with the weight reordered once into its own blocked layout runs the batched
-matmuls of a decode step about 1.5x faster on a 2-core AVX2 machine (docs/benchmarks.md, "CPU"), and one row
-(a lone request's decode step) 1.4x faster. A packed layer keeps only the packed copy, so memory does not double.
+its checkpoint layout; oneDNN with the weight reordered once into its own blocked layout was 4-16 % faster
+end to end on a 2-core AVX2 machine, but keeps state for every new row count (see ``can_pack``), so it is
+opt-in (NANOVLLM_CPU_PACK=1). A packed layer keeps only the packed copy, so memory does not double.
 
 One row is a matrix-vector product: it reads every weight once and is bound by memory bandwidth, not FLOPs.
 With ``fp16_rows`` a layer also keeps a float16 copy of its weight for steps of at most HALF_MAX_ROWS rows:
@@ -45,8 +45,12 @@ def default_cpu_dtype() -> torch.dtype:
 
 
 def can_pack() -> bool:
-    """oneDNN prepacking is on unless NANOVLLM_CPU_PACK=0 or torch lacks oneDNN."""
-    return os.environ.get("NANOVLLM_CPU_PACK", "1") != "0" and torch.backends.mkldnn.is_available()
+    """oneDNN prepacking, opt-in with NANOVLLM_CPU_PACK=1 (and a torch with oneDNN).
+
+    Off by default: a packed matmul keeps state for every new row count it meets (measured: resident memory
+    grew by ~300 MB over 600 row counts for one weight shape, then levelled off), so a server's memory would
+    climb for a long while, and it gained only 4-16 % on a 2-core AVX2 machine (docs/benchmarks.md, "CPU")."""
+    return os.environ.get("NANOVLLM_CPU_PACK", "0") == "1" and torch.backends.mkldnn.is_available()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -72,30 +76,34 @@ class CpuPackedMatmul:
     packed_weight: torch.Tensor | None = None
     half_weight: torch.Tensor | None = None
 
-    def pack_for_cpu(self, release: bool = True, half: bool = False) -> None:
-        """release: empty the plain parameter (loading is over), so the model holds one copy of its weights;
-        not when a tied embedding still reads it. half: also keep a float16 copy for steps of a few rows."""
-        self.packed_weight = pack_weight(self.weight)
+    def pack_for_cpu(self, release: bool = True, half: bool = False, pack: bool = True) -> None:
+        """pack: multiply by a oneDNN-packed copy from now on. release: then empty the plain parameter (loading is
+        over), so the model holds one copy of its weights; not when a tied embedding still reads it.
+        half: also keep a float16 copy for steps of a few rows."""
+        if pack:
+            self.packed_weight = pack_weight(self.weight)
         if half:
             self.half_weight = self.weight.detach().to(torch.float16)
-        if release:
+        if release and pack:
             self.weight.data = self.weight.data.new_empty(0)
 
     def cpu_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T (+ b) through whichever copy of the weight fits x."""
-        if self.packed_weight is None:
-            return F.linear(x, self.weight, bias)
         if self.half_weight is not None and x.numel() <= HALF_MAX_ROWS * x.shape[-1]:
             return half_linear(x, self.half_weight, bias)
-        return packed_linear(x, self.packed_weight, bias)
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 def pack_model_for_cpu(model: torch.nn.Module, fp16_rows: bool = False) -> int:
-    """Prepack every linear layer and the LM head of a model whose weights are loaded; returns how many.
+    """Prepare every linear layer and the LM head of a loaded model for the CPU; returns how many.
 
-    fp16_rows: also keep float16 copies for steps of at most HALF_MAX_ROWS rows (float32 models only).
+    Packs only with NANOVLLM_CPU_PACK=1 (``can_pack``). fp16_rows: also keep float16 copies for steps of at
+    most HALF_MAX_ROWS rows (float32 models only).
     """
-    if not can_pack():
+    pack = can_pack()
+    if not pack and not fp16_rows:
         return 0
     users: dict[int, int] = {}  # weight -> how many modules hold it (a tied LM head shares the embedding's)
     for module in model.modules():
@@ -104,9 +112,10 @@ def pack_model_for_cpu(model: torch.nn.Module, fp16_rows: bool = False) -> int:
             users[id(weight)] = users.get(id(weight), 0) + 1
     count = 0
     for module in model.modules():
-        pack = getattr(module, "pack_for_cpu", None)
-        if pack is not None and module.weight.device.type == "cpu" and module.weight.dtype in (
+        pack_module = getattr(module, "pack_for_cpu", None)
+        if pack_module is not None and module.weight.device.type == "cpu" and module.weight.dtype in (
                 torch.float32, torch.bfloat16):
-            pack(release=users[id(module.weight)] == 1, half=fp16_rows and module.weight.dtype == torch.float32)
+            pack_module(release=users[id(module.weight)] == 1, half=fp16_rows and module.weight.dtype == torch.float32,
+                        pack=pack)
             count += 1
     return count
