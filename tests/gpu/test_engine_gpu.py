@@ -51,3 +51,25 @@ def test_qwen3_shape_dummy_weights_runs_with_graphs():
     assert all(len(o.token_ids) == 32 for o in out)
     bm = llm.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_async_scheduling_matches_sync_on_the_qwen3_shape():
+    """bf16, CUDA graphs: the same greedy tokens and the same seeded samples with and without planning ahead
+    (ignore_eos keeps the batch sizes, and so the kernels' choices, the same in both)."""
+    import os
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "model_configs", "qwen3-0.6b")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 10000, (int(n),), generator=g).tolist() for n in torch.randint(1, 700, (48,), generator=g)]
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=int(m), ignore_eos=True)
+              for i, m in enumerate(torch.randint(1, 64, (48,), generator=g))]
+    results = {}
+    for mode in (False, True):
+        llm = LLM(folder, load_format="dummy", max_model_len=2048, max_num_seqs=64, num_kvcache_blocks=256,
+                  async_scheduling=mode)
+        results[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        del llm
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+    assert [len(t) for t in results[True]] == [p.max_tokens for p in params]
