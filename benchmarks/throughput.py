@@ -134,6 +134,26 @@ class StepTimer:
         self.llm.step = self._step
 
 
+def start_kernel_profiler():
+    """torch.profiler recording host and device activity until report_kernel_profile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def report_kernel_profile(profiler) -> None:
+    """Stop the profiler; print the 25 costliest operations by device time (host time without a GPU)."""
+    import torch
+
+    profiler.__exit__(None, None, None)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(profiler.key_averages().table(sort_by=key, row_limit=25))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a folder with config.json (random weights)")
@@ -150,6 +170,9 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan each step while the one before runs (default: the engine's, on with one GPU)")
     parser.add_argument("--profile", action="store_true", help="report where a step's time goes")
+    parser.add_argument("--kernel-profile", action="store_true",
+                        help="torch.profiler over each workload: the top device kernels by total time (adds "
+                             "profiler overhead to the figures)")
     parser.add_argument("--out", default="results/throughput.json")
     args = parser.parse_args()
 
@@ -168,10 +191,13 @@ def main() -> None:
         prompts, params = workload(name, args.num_requests)
         profiler = StepProfiler(llm) if args.profile else None
         timer = StepTimer(llm)
+        kernel_profiler = start_kernel_profiler() if args.kernel_profile else None
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         timer.close()
+        if kernel_profiler is not None:
+            report_kernel_profile(kernel_profiler)
         generated = sum(len(o.token_ids) for o in outputs)
         memory, compute = roofline_seconds(llm, prompts, params)
         ceiling = generated / (memory + compute)
