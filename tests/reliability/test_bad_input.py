@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm import LLM, SamplingParams
-from tests.server.conftest import ServerProcess, metric_values, wait_for
+from tests.server.conftest import ServerProcess, assert_error, metric_values, wait_for
 
 MAX_MODEL_LEN = 256
 MAX_N = 4
@@ -121,20 +121,6 @@ def server(chat_model):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=30) as client:
         yield client
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = "any", words: tuple = ()) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"]
-    if param != "any":
-        assert error["param"] == param, error
-    for word in words:
-        assert word in error["message"], error
-    return error
 
 
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
@@ -299,7 +285,7 @@ def test_endpoint_matrix(http, group, path, body, status, param, words):
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
     else:
-        assert_error(response, status, param, words)
+        assert_error(response, status, param, words=words)
 
 
 @pytest.mark.parametrize("text", ODD_TEXT, ids=repr)

@@ -115,3 +115,23 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
         if result or time.monotonic() > deadline:
             return result
         time.sleep(interval)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = "any", code: str | None = "any",
+                 words: tuple = ()) -> dict:
+    """The response is an error in OpenAI's shape with this status; param and code checked unless "any", and
+    each of ``words`` appears in the message. Returns the error object."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param != "any":
+        assert error["param"] == param, error
+    if code != "any":
+        assert error["code"] == code, error
+    for word in words:
+        assert word in error["message"], error
+    return error

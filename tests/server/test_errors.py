@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm import SamplingParams
+from tests.server.conftest import assert_error
 
 openai = pytest.importorskip("openai")
 
@@ -22,21 +23,6 @@ CHAT = [{"role": "user", "content": "Hi"}]
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = "any", code: str | None = "any") -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    if param != "any":
-        assert error["param"] == param, error
-    if code != "any":
-        assert error["code"] == code, error
-    return error
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])

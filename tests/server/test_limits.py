@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess, metric_values, wait_for
+from tests.server.conftest import ServerProcess, assert_error, metric_values, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -29,13 +29,6 @@ def strict(chat_model):
 
 def auth(key: str = KEY) -> dict:
     return {"Authorization": f"Bearer {key}"}
-
-
-def assert_error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    return error
 
 
 def test_api_key_required(strict):
