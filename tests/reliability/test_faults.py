@@ -20,6 +20,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine import detokenizer as detokenizer_module
 from nanovllm.engine.async_engine import AsyncLLM, RequestFailedError
 from tests.reliability.conftest import serve_in_thread
+from tests.server.conftest import wait_idle
 
 MARKER = 313  # a token id; prompts ending with it are poisoned
 GOOD = [[40, 41, 42, 43, 44, 45], [50, 51, 52, 53, 54], [60, 61, 62, 63, 64, 65, 66], [70, 71, 72, 73, 74, 75]]
@@ -118,12 +119,7 @@ def served(chat_model):
 
 
 def assert_idle(async_llm: AsyncLLM) -> None:
-    async def settle():
-        for _ in range(300):
-            if async_llm.num_in_flight == 0 and not async_llm.engine.has_unfinished_requests():
-                return
-            await asyncio.sleep(0.01)
-    asyncio.run(settle())
+    wait_idle(async_llm)
     assert async_llm.is_running and async_llm.num_in_flight == 0
     assert_empty(async_llm.engine)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -135,3 +136,14 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
     for word in words:
         assert word in error["message"], error
     return error
+
+
+def wait_idle(async_llm, tries: int = 300) -> None:
+    """Until an AsyncLLM's engine thread has applied every command (an abort is asynchronous) and holds no
+    request, polling every 10 ms at most ``tries`` times; the caller asserts what it expects afterwards."""
+    async def settle():
+        for _ in range(tries):
+            if async_llm.num_in_flight == 0 and not async_llm.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.01)
+    asyncio.run(settle())

@@ -8,6 +8,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.async_engine import AsyncLLM, EngineDeadError, IterationStats, QueueFullError
+from tests.server.conftest import wait_idle
 
 
 @pytest.fixture
@@ -24,16 +25,6 @@ async def collect(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str
     outputs = [o async for o in llm.generate(prompt, params, request_id)]
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
     return outputs
-
-
-def wait_idle(llm: AsyncLLM) -> None:
-    """Until the engine thread has applied every command (an abort is asynchronous)."""
-    async def settle():
-        for _ in range(200):
-            if llm.num_in_flight == 0 and not llm.engine.has_unfinished_requests():
-                return
-            await asyncio.sleep(0.01)
-    asyncio.run(settle())
 
 
 def test_concurrent_requests_match_offline(llm, chat_model):
@@ -79,7 +70,7 @@ def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(llm):
             await task
 
     asyncio.run(main())
-    wait_idle(llm)
+    wait_idle(llm, tries=200)
     assert llm.engine.scheduler.block_manager.usage == 0
     assert llm.engine.requests == {}
     aborted = [f for s in llm.stats for f in s.finished if f.finish_reason == "abort"]
@@ -98,7 +89,7 @@ def test_a_bad_request_fails_alone(llm):
         return await good
 
     assert asyncio.run(main())[-1].outputs[0].finish_reason == "length"
-    wait_idle(llm)
+    wait_idle(llm, tries=200)
     assert llm.num_in_flight == 0
 
 
@@ -114,7 +105,7 @@ def test_queue_limit(llm):
             s.close()
 
     asyncio.run(main())
-    wait_idle(llm)
+    wait_idle(llm, tries=200)
     assert llm.num_in_flight == 0
 
 
