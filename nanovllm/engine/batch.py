@@ -53,11 +53,8 @@ def prepare_batch(seqs: list[Sequence], block_size: int, device: torch.device) -
     token_seq = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.arange(num_tokens) - cu_seqlens_q[token_seq] + context_lens[token_seq]
 
-    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=num_seqs)
-    block_tables = np.full((num_seqs, int(table_lens.max())), -1, dtype=np.int32)
-    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(table_lens.sum()))
-    slot_mapping = block_tables[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    block_tables = _block_tables(seqs)
+    slot_mapping = _slots(block_tables, token_seq, positions, block_size)
 
     sampled = [i for i, s in enumerate(seqs) if needs_sample(s)]
     return _pack(input_ids, positions, slot_mapping, cu_seqlens_q, query_lens, seq_lens, block_tables, sampled,
@@ -78,15 +75,25 @@ def prepare_decode_ahead(seqs: list[Sequence], source_rows: list[int], block_siz
     seq_lens = positions + 1
     query_lens = np.ones(num_seqs, dtype=np.int64)
     cu_seqlens_q = np.arange(num_seqs + 1, dtype=np.int64)
-    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=num_seqs)
-    block_tables = np.full((num_seqs, int(table_lens.max())), -1, dtype=np.int32)
-    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(table_lens.sum()))
-    slot_mapping = (block_tables[np.arange(num_seqs), positions // block_size].astype(np.int64) * block_size
-                    + positions % block_size)
+    block_tables = _block_tables(seqs)
+    slot_mapping = _slots(block_tables, np.arange(num_seqs), positions, block_size)
     rows = np.asarray(source_rows, dtype=np.int64)
     return _pack(rows, positions, slot_mapping, cu_seqlens_q, query_lens, seq_lens, block_tables,
                  list(range(num_seqs)), num_seqs, device)
+
+
+def _block_tables(seqs: list[Sequence]) -> np.ndarray:
+    """[num_seqs, longest table] int32, each row a sequence's block ids padded with -1."""
+    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+    block_tables = np.full((len(seqs), int(table_lens.max())), -1, dtype=np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32, count=int(table_lens.sum()))
+    return block_tables
+
+
+def _slots(block_tables: np.ndarray, token_seq: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of each token: its sequence's block at position // block_size, then the offset in it."""
+    return block_tables[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
 def _pack(input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
