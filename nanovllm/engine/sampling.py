@@ -130,7 +130,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
                 generators[i] = row_seed_source(seq) if seed_source is not None else request_generator(seq, device)
         if p.min_tokens and seq.num_completion_tokens < p.min_tokens:
             banned.extend((i, t) for t in seq.min_tokens_stop_ids)
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        if p.has_penalties:
             penalised.append(i)
         if p.logprobs is not None:
             with_logprobs.append(i)

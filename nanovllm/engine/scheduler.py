@@ -141,8 +141,7 @@ class Scheduler:
         seqs, new_blocks = [], 0
         for seq in self.running:
             params = seq.sampling_params
-            if (id(seq) not in sampled or params.min_tokens > seq.num_completion_tokens
-                    or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0):
+            if id(seq) not in sampled or params.min_tokens > seq.num_completion_tokens or params.has_penalties:
                 return []
             after = seq.num_tokens + 1  # once the token in flight is appended
             if ((seq.max_tokens is not None and after - seq.num_prompt_tokens >= seq.max_tokens)
