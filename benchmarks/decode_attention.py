@@ -26,7 +26,7 @@ TARGET_FRACTION = 0.75
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # (block_n, num_warps, num_stages) tried by --sweep besides the default
 SWEEP_CONFIGS = [(64, 4, 2), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 3), (64, 8, 3)]
-SWEEP_SPLITS = [1, 2, 4, 8]
+SWEEP_SPLITS = [1, 2, 4, 8, 16]
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,6 +34,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024, help="seq_len of every request (keys read)")
+    parser.add_argument("--min-context", type=int, default=None,
+                        help="ragged batch: seq_lens uniform in [min-context, context] (as in W1's decode)")
+    parser.add_argument("--plan-len", type=int, default=None,
+                        help="the max_seq_len the split plan is made for (default: context; the engine's "
+                             "CUDA graphs plan for max_model_len)")
     parser.add_argument("--num-heads", type=int, default=16)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -75,7 +80,7 @@ def main() -> int:
     batch, context, heads, kv_heads, head_dim = args.batch, args.context, args.num_heads, args.num_kv_heads, \
         args.head_dim
     scale = head_dim**-0.5
-    bytes_moved = 2 * batch * context * kv_heads * head_dim * elem + 2 * batch * heads * head_dim * elem
+    plan_len = max(args.plan_len or context, context)
 
     def time_ms(fn) -> float:
         if device == "cuda":
@@ -94,12 +99,18 @@ def main() -> int:
         k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, generator=gen).to(dtype)
         v_cache = torch.randn_like(k_cache)
         block_tables = torch.randperm(num_blocks, device=device, generator=gen).view(batch, blocks_per_seq).int()
-        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        if args.min_context is None:
+            seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        else:
+            seq_lens = torch.randint(args.min_context, context + 1, (batch,), device=device, generator=gen,
+                                     dtype=torch.int32)
+        keys = int(seq_lens.sum())
+        bytes_moved = 2 * keys * kv_heads * head_dim * elem + 2 * batch * heads * head_dim * elem
         q = torch.randn(batch, heads, head_dim, device=device, generator=gen).to(dtype)
         out = torch.empty_like(q)
 
         ref = decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
-        max_err = (decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, context).float()
+        max_err = (decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, plan_len).float()
                    - ref.float()).abs().max().item()
 
         plans: list[tuple[str, int | None, DecodeConfig]] = [("default", None, default_config)]
@@ -107,9 +118,9 @@ def main() -> int:
             plans += [("splits", s, default_config) for s in SWEEP_SPLITS]
             plans += [("config", None, DecodeConfig(*c)) for c in SWEEP_CONFIGS]
         for label, num_splits, config in plans:
-            splits, _ = plan_splits(batch, kv_heads, context, config.block_n, q.device, num_splits)
+            splits, _ = plan_splits(batch, kv_heads, plan_len, config.block_n, q.device, num_splits)
 
-            run = functools.partial(decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale, context,
+            run = functools.partial(decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale, plan_len,
                                     out=out, num_splits=num_splits, config=config)
             try:
                 ms = time_ms(run)
@@ -117,13 +128,15 @@ def main() -> int:
                 print(f"block_size {block_size} {label} {config}: failed: {exc}", file=sys.stderr)
                 continue
             tbps = bytes_moved / (ms * 1e-3) / 1e12
-            results.append(dict(block_size=block_size, plan=label, num_splits=splits, block_n=config.block_n,
+            results.append(dict(block_size=block_size, plan=label, bytes=bytes_moved, num_splits=splits, block_n=config.block_n,
                                 num_warps=config.num_warps, num_stages=config.num_stages, time_us=ms * 1e3,
                                 tbps=tbps, fraction_of_peak=tbps / PEAK_TBPS, max_abs_err=max_err))
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)"
-    print(f"decode attention on {name}: batch {batch}, context {context}, heads {heads}/{kv_heads}, "
-          f"head_dim {head_dim}, {args.dtype}, {bytes_moved / 1e6:.1f} MB per call; peak {PEAK_TBPS} TB/s")
+    lengths = f"context {context}" if args.min_context is None else f"contexts {args.min_context}-{context}"
+    print(f"decode attention on {name}: batch {batch}, {lengths} (split plan for {plan_len}), heads "
+          f"{heads}/{kv_heads}, head_dim {head_dim}, {args.dtype}, {bytes_moved / 1e6:.1f} MB per call "
+          f"(last block size); peak {PEAK_TBPS} TB/s")
     print(f"{'block':>5} {'plan':>8} {'splits':>6} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} "
           f"{'time us':>9} {'TB/s':>6} {'of peak':>7} {'max err':>8}")
     for r in results:
@@ -138,6 +151,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
         benchmark="decode_attention", device=name, dtype=args.dtype, batch=batch, context=context,
+        min_context=args.min_context, plan_len=plan_len,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, bytes_per_call=bytes_moved,
         peak_tbps=PEAK_TBPS, target_fraction=TARGET_FRACTION, target_met=passed if device == "cuda" else None,
         results=results,

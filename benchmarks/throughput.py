@@ -105,6 +105,14 @@ class StepProfiler:
         return rows
 
 
+def _batch_bucket(batch: int) -> str:
+    """'1-8', '9-16', '17-32', ...: power-of-two ranges of decode batch sizes."""
+    high = 8
+    while batch > high:
+        high *= 2
+    return f"{1 if high == 8 else high // 2 + 1}-{high}"
+
+
 class StepTimer:
     """Wall time of the engine's steps by kind (with prefill tokens, decode only); adds no device syncs."""
 
@@ -112,6 +120,9 @@ class StepTimer:
         self.llm = llm
         self.totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
         self.prefill_step_seconds: list[float] = []
+        # decode-only steps by batch size: [steps, seconds]; shows whether small batches (the tail of a
+        # workload, where the host's part of a step is no longer hidden behind the GPU's) cost more than their share
+        self.by_batch: dict[str, list] = defaultdict(lambda: [0, 0.0])
         self._step = llm.step
         llm.step = self.step
 
@@ -123,12 +134,19 @@ class StepTimer:
         self.totals[kind][1] += time.perf_counter() - start
         if kind == "prefill":
             self.prefill_step_seconds.append(round(time.perf_counter() - start, 4))
+        else:
+            bucket = self.by_batch[_batch_bucket(self.llm.last_step.decode_tokens)]
+            bucket[0] += 1
+            bucket[1] += time.perf_counter() - start
         return result
 
     def report(self) -> dict:
         return {f"{kind}_steps": count for kind, (count, _) in self.totals.items()} | {
             f"{kind}_step_seconds": round(seconds, 3) for kind, (_, seconds) in self.totals.items()} | {
-            "each_prefill_step_seconds": self.prefill_step_seconds}
+            "each_prefill_step_seconds": self.prefill_step_seconds,
+            "decode_steps_by_batch": {b: {"steps": n, "seconds": round(t, 3), "ms_per_step": round(1e3 * t / n, 2)}
+                                      for b, (n, t) in sorted(self.by_batch.items(), key=lambda kv: int(
+                                          kv[0].split("-")[0]))}}
 
     def close(self) -> None:
         self.llm.step = self._step
@@ -221,6 +239,8 @@ def main() -> None:
               f"decode-only: {r['decode_steps']} in {r['decode_step_seconds']:.2f} s; "
               f"async scheduling {'on' if r['async_scheduling'] else 'off'}; each step with prefill (s): "
               f"{r['each_prefill_step_seconds']}")
+        print(f"{'':<9}decode-only steps by batch size: " + "; ".join(
+            f"{b}: {d['steps']} x {d['ms_per_step']} ms" for b, d in r["decode_steps_by_batch"].items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -22,9 +22,11 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         from nanovllm.kernels.decode_attention import decode_attention
         from nanovllm.kernels.prefill_attention import prefill_attention
+        from nanovllm.kernels.rope_store import norm_rope_store
         from nanovllm.kernels.store_kvcache import store_kvcache
 
         self._store_kvcache = store_kvcache
+        self._norm_rope_store = norm_rope_store
         self._decode_attention = decode_attention
         self._prefill_attention = prefill_attention
 
@@ -32,6 +34,24 @@ class TritonAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
         self._store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
+                    num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+        """Attention from the fused qkv projection: q/k norm (when given), RoPE and the KV store in one kernel.
+
+        rotary: a RotaryEmbedding (its float32 cos/sin tables); q_norm, k_norm: RMSNorm modules or None.
+        """
+        q = self._norm_rope_store(qkv, positions, rotary.cos, rotary.sin,
+                                  None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                                  0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, meta.slot_mapping,
+                                  num_heads, num_kv_heads)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Attention of q over the cache, whose K/V for this step's tokens are already stored."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

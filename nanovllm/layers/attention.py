@@ -19,6 +19,17 @@ class Attention(nn.Module):
         """Give this layer its KV cache views ([num_blocks, block_size, num_kv_heads, head_dim]) and backend."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
 
+    def fuses_qkv(self, rotary) -> bool:
+        """Whether forward_qkv can run: the backend has the fused kernel and the RoPE tables suit it."""
+        return (hasattr(self.backend, "forward_qkv") and rotary.cos.dtype == torch.float32
+                and rotary.cos.shape[-1] == self.head_dim and self.head_dim & (self.head_dim - 1) == 0)
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm) -> torch.Tensor:
+        """Attention straight from the fused qkv projection [num_tokens, (heads + 2 kv heads) * head_dim]: the
+        backend applies the q/k norms (modules or None) and rotary in the same kernel that stores K/V."""
+        return self.backend.forward_qkv(qkv, positions, rotary, q_norm, k_norm, self.num_heads, self.num_kv_heads,
+                                        self.k_cache, self.v_cache, get_forward_context(), self.scale)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
         assert self.backend is not None, "attention layer used before the runner bound its KV cache"

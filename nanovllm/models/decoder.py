@@ -54,6 +54,10 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if self.attn.fuses_qkv(self.rotary):
+            # one kernel for q/k norm, RoPE and the KV store
+            out = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm)
+            return self.o_proj(out.flatten(1, -1))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

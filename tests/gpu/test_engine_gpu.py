@@ -1,5 +1,7 @@
 """The CUDA path (Triton kernels, CUDA graphs) against the CPU reference path. Run with `pytest -m gpu`."""
 
+import gc
+
 import pytest
 import torch
 
@@ -9,6 +11,15 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """Each engine sizes its KV pool from the free memory: the previous test's engine must be gone first
+    (CUDA graphs and compiled ops hold references in cycles, so only a collection frees it)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def prompts():
@@ -69,7 +80,9 @@ def test_async_scheduling_matches_sync_on_the_qwen3_shape():
         results[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         bm = llm.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
-        del llm
+        llm.close()
+        del llm, bm
+        gc.collect()
         torch.cuda.empty_cache()
     assert results[True] == results[False]
     assert [len(t) for t in results[True]] == [p.max_tokens for p in params]

@@ -86,3 +86,22 @@ def test_gpu_qwen3_bf16_mixed_batch(paged_batch, tolerances, block_size) -> None
     batch = paged_batch([q for q, _ in requests], [c for _, c in requests], num_heads=16, num_kv_heads=8,
                         head_dim=128, block_size=block_size, dtype=torch.bfloat16, store_chunk=False)
     _check(batch, 64, tolerances[torch.bfloat16])
+
+
+def test_engine_on_the_triton_backend_gives_hf_greedy_tokens(tiny_qwen3):
+    """The whole model through the Triton path (fused q/k norm + RoPE + store, prefill and decode kernels,
+    chunked prefill, a prefix-cache hit) gives transformers' greedy tokens."""
+    from nanovllm import LLM, SamplingParams
+    from tests.helpers import hf_greedy
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 17, 40)]
+    prompts.append(prompts[2][:32] + [7, 8])  # reuses two full blocks of the third prompt
+    reference, _ = hf_greedy(tiny_qwen3, prompts, 4)
+    llm = LLM(tiny_qwen3, attention_backend="triton", kvcache_block_size=16, num_kvcache_blocks=64,
+              max_num_batched_tokens=32, max_model_len=64)
+    assert llm.runner.model.model.layers[0].self_attn.attn.fuses_qkv(llm.runner.model.model.layers[0].self_attn.rotary)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)] == reference[:3]
+    assert llm.generate(prompts[3:], params, use_tqdm=False)[0].token_ids == reference[3]
+    assert llm.scheduler.block_manager.num_hit_tokens >= 32
