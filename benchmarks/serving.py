@@ -10,7 +10,14 @@ latency: mean, median and chosen percentiles; failures are counted. Prints a tab
         --input-len 512 --output-len 128 --random-range-ratio 0.5 --result-file results/serving.json
 
 Prompts are random token ids drawn from the server's own tokenization of some English text (/tokenize), so
-their lengths are exact; outputs use ``ignore_eos`` so they run to --output-len.
+their lengths are exact; outputs use ``ignore_eos`` so they run to --output-len. A model without tokenizer
+(say ``nanovllm serve FOLDER --load-format dummy`` on a folder with only config.json) answers /tokenize with 400:
+then prompts are token ids drawn uniformly from --random-token-range [LOW, HIGH), which must lie inside the
+model's vocabulary (completions endpoint only: chat needs a tokenizer).
+
+Requests ask for vLLM's ``return_token_ids``, so tokens are counted from each chunk's ``token_ids`` (text may be
+empty, and always is without a tokenizer): TTFT runs to the first chunk with a token, ITL between chunks with
+tokens. A server that sends no ``token_ids`` is timed by the chunks with text instead.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ class RequestResult:
     output_len: int = 0
     ttft: float = 0.0  # seconds to the first streamed token
     latency: float = 0.0  # seconds to the end of the stream
-    itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
+    itl: list[float] = field(default_factory=list)  # seconds between streamed chunks with tokens
     error: str = ""
 
 
@@ -59,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=64, help="output tokens (mean with a range ratio)")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="lengths uniform in [len*(1-r), len*(1+r)]; 0 means fixed lengths")
+    parser.add_argument("--random-token-range", type=int, nargs=2, default=[100, 10000], metavar=("LOW", "HIGH"),
+                        help="for a model without tokenizer: prompt token ids uniform in [LOW, HIGH), which must "
+                             "be inside the model's vocabulary (default: 100 10000)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--percentiles", default="99", help="comma-separated percentiles to report besides "
                         "the median (default: 99)")
@@ -70,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--random-range-ratio must be in [0, 1)")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         parser.error("--num-prompts, --input-len and --output-len must be positive")
+    if not 0 <= args.random_token_range[0] < args.random_token_range[1]:
+        parser.error("--random-token-range needs 0 <= LOW < HIGH")
     return args
 
 
@@ -78,16 +90,24 @@ def lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
     return [rng.randint(low, high) for _ in range(n)]
 
 
-async def make_prompts(client: httpx.AsyncClient, args, rng: random.Random) -> list[tuple[object, int, int]]:
-    """(prompt, prompt length, output length) of each request."""
+async def token_pool(client: httpx.AsyncClient) -> list[int] | None:
+    """The server's token ids of FILLER; None when the model has no tokenizer (/tokenize answers 400 saying so)."""
     response = await client.post("/tokenize", json={"prompt": FILLER, "add_special_tokens": False})
+    if response.status_code == 400 and "no tokenizer" in response.text:
+        return None
     response.raise_for_status()
-    pool = response.json()["tokens"]
+    return response.json()["tokens"]
+
+
+async def make_prompts(client: httpx.AsyncClient, args, rng: random.Random,
+                       pool: list[int] | None) -> list[tuple[object, int, int]]:
+    """(prompt, prompt length, output length) of each request; without a pool, ids from --random-token-range."""
     input_lens = lengths(rng, args.input_len, args.random_range_ratio, args.num_prompts)
     output_lens = lengths(rng, args.output_len, args.random_range_ratio, args.num_prompts)
+    low, high = args.random_token_range
     prompts = []
     for n, m in zip(input_lens, output_lens, strict=True):
-        ids = rng.choices(pool, k=n)
+        ids = rng.choices(pool, k=n) if pool is not None else [rng.randrange(low, high) for _ in range(n)]
         if args.endpoint == "chat":
             text = (await client.post("/detokenize", json={"tokens": ids})).json()["prompt"]
             prompts.append((text, n, m))
@@ -98,7 +118,7 @@ async def make_prompts(client: httpx.AsyncClient, args, rng: random.Random) -> l
 
 def payload(args, model: str, prompt, output_len: int) -> tuple[str, dict]:
     body = {"model": model, "max_tokens": output_len, "temperature": args.temperature, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     if args.endpoint == "chat":
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
     return "/v1/completions", {**body, "prompt": prompt}
@@ -107,7 +127,8 @@ def payload(args, model: str, prompt, output_len: int) -> tuple[str, dict]:
 async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int) -> RequestResult:
     result = RequestResult(prompt_len=prompt_len)
     start = last = time.perf_counter()
-    chunks = 0
+    tokens = 0  # streamed so far
+    with_ids = False  # whether the server sends token_ids
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
@@ -128,23 +149,34 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int
                     result.output_len = chunk["usage"]["completion_tokens"]
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
                 for choice in chunk.get("choices", []):
-                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                    if text:
+                    if "token_ids" in choice:
+                        with_ids = True
+                        new = len(choice["token_ids"])
+                    else:  # a server without return_token_ids: one token per chunk with text
+                        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                        new = 1 if text else 0
+                    if new:
                         now = time.perf_counter()
-                        if chunks == 0:
+                        if tokens == 0:
                             result.ttft = now - start
                         else:
                             result.itl.append(now - last)
                         last = now
-                        chunks += 1
+                        tokens += new
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.latency = time.perf_counter() - start
     if not result.ok:
         result.error = "the stream ended without [DONE]"
+    elif tokens == 0:
+        result.ok = False
+        result.error = "no streamed chunk carried a token: TTFT and ITL cannot be measured"
     elif not result.output_len:
-        result.output_len = chunks  # a server without usage: one token per chunk
+        result.output_len = tokens  # a server without usage
+    elif with_ids and tokens != result.output_len:
+        result.ok = False
+        result.error = f"the stream carried {tokens} token ids, but usage says {result.output_len} tokens"
     return result
 
 
@@ -155,7 +187,11 @@ async def run(args) -> dict:
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout,
                                  limits=limits) as client:
         model = args.model or (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
-        prompts = await make_prompts(client, args, rng)
+        pool = await token_pool(client)
+        if pool is None and args.endpoint == "chat":
+            raise RuntimeError("the model has no tokenizer, so chat prompts cannot be built: use --endpoint "
+                               "completions (random token ids from --random-token-range)")
+        prompts = await make_prompts(client, args, rng, pool)
 
         # one request first: a server that cannot answer fails fast, not num_prompts times
         path, body = payload(args, model, prompts[0][0], min(prompts[0][2], 4))
@@ -180,7 +216,7 @@ async def run(args) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(args, model, results, duration)
+    return summarize(args, model, results, duration, random_ids=pool is None)
 
 
 def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
@@ -192,7 +228,7 @@ def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
     return out
 
 
-def summarize(args, model: str, results: list[RequestResult], duration: float) -> dict:
+def summarize(args, model: str, results: list[RequestResult], duration: float, random_ids: bool = False) -> dict:
     ok = [r for r in results if r.ok]
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
     input_tokens = sum(r.prompt_len for r in ok)
@@ -204,6 +240,8 @@ def summarize(args, model: str, results: list[RequestResult], duration: float) -
         "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
         "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
         "random_range_ratio": args.random_range_ratio,
+        # where the prompt ids came from: the server's tokenizer, or --random-token-range (no tokenizer)
+        "prompt_token_range": list(args.random_token_range) if random_ids else None,
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,

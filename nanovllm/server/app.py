@@ -8,6 +8,12 @@ Limits (each refused with a 4xx that names it): the body size (413), requests in
 ``n`` (``max_n``), prompts in one completions request (``max_prompts_per_request``), and prompt + max_tokens
 within max_model_len. Prompts are tokenized in a worker thread (tokenizers release the GIL), so a long one does
 not stall other requests' streams, and text too long to fit max_model_len is refused before it is tokenized.
+
+Streams send a chunk for each batch of new tokens, even one whose text is empty. vLLM's ``return_token_ids``
+extension adds the ids: completions choices carry ``prompt_token_ids`` and ``token_ids`` (the generated ones);
+chat answers carry ``prompt_token_ids`` beside ``choices`` and ``token_ids`` in each choice. Streamed, every
+chunk's choices carry their new ``token_ids``, and ``prompt_token_ids`` comes once: in a completions choice's
+first chunk, in the chat stream's first (role) chunk.
 """
 
 from __future__ import annotations
@@ -302,7 +308,9 @@ class OpenAIServer:
                     "logprobs": completion_logprobs(self.tokenizer, c.token_ids, c.logprobs, body.logprobs or 0,
                                                     len(prefix)),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    **_prompt_logprobs_field(self.tokenizer, output)})
+                    **_prompt_logprobs_field(self.tokenizer, output),
+                    **({"prompt_token_ids": list(output.prompt_token_ids), "token_ids": list(c.token_ids)}
+                       if body.return_token_ids else {})})
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
         cached = sum(o.num_cached_tokens for o in finals)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": now(),
@@ -315,6 +323,7 @@ class OpenAIServer:
         n = _n(job.params[0])
         progress = _Progress()
         echoed: set[int] = set()
+        started: set[int] = set()  # choices that have had a chunk (the first one carries prompt_token_ids)
 
         def chunk(choices: list[dict], **extra) -> str:
             return _event({"id": job.request_id, "object": "text_completion", "created": created,
@@ -329,13 +338,20 @@ class OpenAIServer:
                     echoed.add(index)
                     text, _ = prompts[i]
                     delta = (text if text is not None else self._decode(output.prompt_token_ids)) + delta
-                if not delta and not finish and not (new_logprobs and new_ids):
+                # a chunk per batch of new tokens, even when their text is empty (held back for a stop string,
+                # or a model without tokenizer), so a client sees every token arrive
+                if not delta and not new_ids and not finish:
                     continue
-                yield chunk([{"index": index, "text": delta,
-                              "logprobs": completion_logprobs(self.tokenizer, new_ids, new_logprobs,
-                                                              body.logprobs or 0),
-                              "finish_reason": c.finish_reason if finish else None,
-                              "stop_reason": c.stop_reason if finish else None}])
+                choice = {"index": index, "text": delta,
+                          "logprobs": completion_logprobs(self.tokenizer, new_ids, new_logprobs, body.logprobs or 0),
+                          "finish_reason": c.finish_reason if finish else None,
+                          "stop_reason": c.stop_reason if finish else None}
+                if body.return_token_ids:
+                    choice["token_ids"] = new_ids
+                    if index not in started:
+                        choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                started.add(index)
+                yield chunk([choice])
         if job.error is not None:
             yield _event(job.error.body())
         elif body.include_usage and not job.disconnected:
@@ -359,13 +375,15 @@ class OpenAIServer:
         (output,) = finals
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, top),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    **({"token_ids": list(c.token_ids)} if body.return_token_ids else {})}
                    for c in output.outputs]
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": now(),
                              "model": self.model_name, "choices": choices,
                              "usage": usage(len(output.prompt_token_ids), completion_tokens, output.num_cached_tokens),
-                             **_prompt_logprobs_field(self.tokenizer, output)})
+                             **_prompt_logprobs_field(self.tokenizer, output),
+                             **({"prompt_token_ids": list(output.prompt_token_ids)} if body.return_token_ids else {})})
 
     async def _stream_chat(self, body: ChatCompletionRequest, job: _Job, top: int) -> AsyncIterator[str]:
         created = now()
@@ -378,16 +396,21 @@ class OpenAIServer:
 
         # the role first, for every choice, before any token is ready
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(_n(job.params[0]))])
+                      "finish_reason": None, **({"token_ids": []} if body.return_token_ids else {})}
+                     for i in range(_n(job.params[0]))],
+                    **({"prompt_token_ids": job.prompts[0]["prompt_token_ids"]} if body.return_token_ids else {}))
         async for _, output in job.outputs():
             for c in output.outputs:
                 delta, new_ids, new_logprobs, finish = progress.advance(c.index, c)
-                if not delta and not finish and not (new_logprobs and new_ids):
+                # a chunk per batch of new tokens, even when their text is empty (held back for a stop string,
+                # or a model without tokenizer), so a client sees every token arrive
+                if not delta and not new_ids and not finish:
                     continue
                 yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
                               "logprobs": chat_logprobs(self.tokenizer, new_ids, new_logprobs, top),
                               "finish_reason": c.finish_reason if finish else None,
-                              "stop_reason": c.stop_reason if finish else None}])
+                              "stop_reason": c.stop_reason if finish else None,
+                              **({"token_ids": new_ids} if body.return_token_ids else {})}])
         if job.error is not None:
             yield _event(job.error.body())
         elif body.include_usage and not job.disconnected:

@@ -124,6 +124,9 @@ class SamplingRequest(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: also answer the token ids, the prompt's and the generated ones (streamed: each chunk's
+    # new ids, so a client can count tokens even where their text is empty, as with a model without tokenizer)
+    return_token_ids: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -178,7 +181,7 @@ class DetokenizeRequest(RequestBody):
 # Fields of the bodies that are not sampling settings.
 _NOT_SAMPLING = {"model", "prompt", "messages", "stream", "stream_options", "user", "echo", "add_generation_prompt",
                  "chat_template_kwargs", "parallel_tool_calls", "metadata", "store", "service_tier",
-                 "max_completion_tokens", "top_logprobs", "logprobs"}
+                 "max_completion_tokens", "top_logprobs", "logprobs", "return_token_ids"}
 # Declared OpenAI fields that, at these values, ask for nothing: fine even where SamplingParams lacks them.
 _NEUTRAL = {"top_p": 1.0, "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "best_of": 1,
             "seed": None, "stop": None, "logit_bias": None, "suffix": None, "tools": None, "tool_choice": "none",

@@ -122,7 +122,8 @@ _values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.
 # every SamplingParams field (they pass through to the engine), and the bodies' own
 _fields = sorted({f.name for f in dataclasses.fields(SamplingParams)} - {"max_tokens"} | {
     "model", "prompt", "messages", "logprobs", "top_logprobs", "echo", "stream", "stream_options",
-    "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs", "tokens", "suffix", "tools"})
+    "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs", "tokens", "suffix", "tools",
+    "return_token_ids"})
 _message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""])},
                                  optional={"content": _values})
 
