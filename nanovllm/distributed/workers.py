@@ -85,10 +85,13 @@ def worker_main(rank: int, world_size: int, init_method: str, config, hf_config,
                 max_model_len: int, parent_pid: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _init_group(config, rank, world_size, init_method)
+    runner = None
     try:
         runner = _build_runner(config, hf_config, model_path, max_model_len, _device_for(config, rank))
         _serve_steps(runner)
     finally:
+        if runner is not None:
+            runner.close()  # CUDA graphs hold NCCL work: free them before the group
         dist.destroy_process_group()
 
 
@@ -113,6 +116,7 @@ class TensorParallelRunner:
             if rank != 0:
                 runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
                 _serve_steps(runner)
+                runner.close()
                 dist.destroy_process_group()
                 sys.exit(0)
         else:
@@ -146,6 +150,7 @@ class TensorParallelRunner:
         if self.closed:
             return
         self.closed = True
+        self.runner.close()
         try:
             if all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([("exit", None)], src=0)

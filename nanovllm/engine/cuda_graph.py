@@ -65,6 +65,15 @@ class DecodeGraphs:
             self.graphs[batch] = graph
             torch.cuda.synchronize()
 
+    def close(self) -> None:
+        """Free the graphs and their memory pool. With tensor parallelism the graphs hold NCCL work: they must
+        go before the process group is destroyed, or destroying it can wait forever."""
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = self.outputs = None
+
     def fits(self, batch: int) -> bool:
         return batch <= self.max_batch
 

@@ -73,6 +73,13 @@ class ModelRunner:
             from nanovllm.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
+    def close(self) -> None:
+        """Release the CUDA graphs (before a tensor-parallel process group is destroyed) and the KV pool."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self.kv_cache = None
+
     # -- KV pool -------------------------------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
