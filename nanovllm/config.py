@@ -83,7 +83,7 @@ class EngineConfig:
     @property
     def async_scheduling_enabled(self) -> bool:
         if self.async_scheduling is None:
-            return self.is_cuda and self.tensor_parallel_size == 1
+            return self.is_cuda
         return self.async_scheduling
 
     @property

@@ -27,7 +27,7 @@ HELP = {
     "tensor_parallel_size": "number of GPUs (or CPU processes) to split the model across",
     "attention_backend": "torch or triton (default: triton on CUDA, torch on the CPU)",
     "async_scheduling": "plan and launch each step while the one before still runs, so the device never waits "
-                        "for the host (default: on with CUDA and one GPU)",
+                        "for the host (default: on with CUDA)",
     "cpu_fp16_decode": "CPU, float32 models: steps of 1-2 tokens (one or two requests decoding) multiply by "
                        "float16 copies of the weights: about 2x faster where memory bandwidth limits them, half "
                        "again the weight memory, float16 rounding",

@@ -7,8 +7,10 @@ Two ways to start the ranks:
   process with RANK 0 returns from ``LLM(...)`` and drives, the others serve steps inside the constructor and
   exit when the driver closes the engine.
 
-Each step, rank 0 broadcasts ("run", [Sequence]) — a Sequence pickles to what a worker needs (the token list
-while prefilling, the last token in decode) — and every rank runs the same forward; only rank 0 samples.
+Each step, rank 0 broadcasts ("run", ([Sequence], prompt-logprob rows, source rows)) over a host (gloo) group —
+a Sequence pickles to what a worker needs (the token list while prefilling, the last token in decode) — and every
+rank runs the same forward; only rank 0 samples. With asynchronous scheduling, rank 0 also broadcasts each step's
+sampled ids on the device, and a step planned ahead names, for each sequence, its row among them.
 """
 
 from __future__ import annotations
@@ -44,10 +46,16 @@ def _device_for(config, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_group(config, rank: int, world_size: int, init_method: str) -> None:
+def _init_group(config, rank: int, world_size: int, init_method: str):
+    """Join the tensor-parallel group; returns the control group (gloo) that carries each step's message.
+
+    Messages go over the host (TCP), not through the GPU: a message sent on the NCCL group would queue behind the
+    step running on rank 0's device, and a worker could not prepare the next step while its device computes.
+    """
     backend = "nccl" if config.is_cuda else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=STEP_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=STEP_TIMEOUT) if config.is_cuda else dist.group.WORLD
 
 
 def _build_runner(config, hf_config, model_path: str, max_model_len: int, device: torch.device):
@@ -60,17 +68,23 @@ def _build_runner(config, hf_config, model_path: str, max_model_len: int, device
     return ModelRunner(config, hf_config, model_path, max_model_len, rank=dist.get_rank(), device=device)
 
 
-def _serve_steps(runner) -> None:
-    """A worker's loop: run every step rank 0 broadcasts until it says exit."""
+def _serve_steps(runner, control) -> None:
+    """A worker's loop: launch every step rank 0 broadcasts until it says exit.
+
+    A step planned ahead (``source_rows`` set) takes its input tokens from the step launched just before it, whose
+    sampled ids rank 0 broadcast on the device (``ModelRunner.shares_sampled_tokens``).
+    """
+    previous = None
     while True:
         message = [None]
-        dist.broadcast_object_list(message, src=0)
+        dist.broadcast_object_list(message, src=0, group=control)
         command, payload = message[0]
         if command == "exit":
             return
         assert command == "run", command
-        seqs, prompt_logprob_seqs = payload
-        runner.run(seqs, prompt_logprob_seqs)
+        seqs, prompt_logprob_seqs, source_rows = payload
+        after = previous if source_rows is not None else None
+        previous = runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -84,11 +98,11 @@ def _watch_parent(parent_pid: int) -> None:
 def worker_main(rank: int, world_size: int, init_method: str, config, hf_config, model_path: str,
                 max_model_len: int, parent_pid: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    _init_group(config, rank, world_size, init_method)
+    control = _init_group(config, rank, world_size, init_method)
     runner = None
     try:
         runner = _build_runner(config, hf_config, model_path, max_model_len, _device_for(config, rank))
-        _serve_steps(runner)
+        _serve_steps(runner, control)
     finally:
         if runner is not None:
             runner.close()  # CUDA graphs hold NCCL work: free them before the group
@@ -111,11 +125,11 @@ class TensorParallelRunner:
             if world != self.world_size:
                 raise ValueError(f"tensor_parallel_size {self.world_size} does not match torchrun's WORLD_SIZE {world}.")
             rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
-            _init_group(config, rank, world, "env://")
+            self.control = _init_group(config, rank, world, "env://")
             device = _device_for(config, local_rank)
             if rank != 0:
                 runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
-                _serve_steps(runner)
+                _serve_steps(runner, self.control)
                 runner.close()
                 dist.destroy_process_group()
                 sys.exit(0)
@@ -128,7 +142,7 @@ class TensorParallelRunner:
                     os.getpid()))
                 process.start()
                 self.processes.append(process)
-            _init_group(config, 0, self.world_size, init_method)
+            self.control = _init_group(config, 0, self.world_size, init_method)
             device = _device_for(config, 0)
         self.runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
@@ -136,15 +150,25 @@ class TensorParallelRunner:
         atexit.register(self.close)
 
     def run(self, seqs):
+        return self.launch(seqs).result()
+
+    def launch(self, seqs, after=None):
+        """Send the step to the workers, then start it here; ``after``: as ``ModelRunner.launch``."""
         for process in self.processes:
             if not process.is_alive():
                 raise RuntimeError(f"a tensor-parallel worker (pid {process.pid}) died with exit code "
                                    f"{process.exitcode}; the engine cannot continue.")
-        # Only rank 0's sequences know their sampling parameters: decide here which want prompt logits.
-        from nanovllm.engine.sampling import wants_prompt_logprobs
-        prompt_logprob_seqs = [i for i, s in enumerate(seqs) if wants_prompt_logprobs(s)]
-        dist.broadcast_object_list([("run", (seqs, prompt_logprob_seqs))], src=0)
-        return self.runner.run(seqs, prompt_logprob_seqs)
+        source_rows = None
+        if after is None:
+            # Only rank 0's sequences know their sampling parameters: decide here which want prompt logits.
+            from nanovllm.engine.sampling import wants_prompt_logprobs
+            prompt_logprob_seqs = [i for i, s in enumerate(seqs) if wants_prompt_logprobs(s)]
+        else:
+            prompt_logprob_seqs = []
+            rows = after.row_of_seq
+            source_rows = [rows[id(s)] for s in seqs]
+        dist.broadcast_object_list([("run", (seqs, prompt_logprob_seqs, source_rows))], src=0, group=self.control)
+        return self.runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows)
 
     def close(self) -> None:
         if self.closed:
@@ -153,7 +177,7 @@ class TensorParallelRunner:
         self.runner.close()
         try:
             if all(p.is_alive() for p in self.processes):
-                dist.broadcast_object_list([("exit", None)], src=0)
+                dist.broadcast_object_list([("exit", None)], src=0, group=self.control)
             for process in self.processes:
                 process.join(timeout=30)
                 if process.is_alive():

@@ -9,6 +9,7 @@ import torch
 
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
+from nanovllm.distributed.state import tp_size
 from nanovllm.engine.batch import StepBatch, prepare_batch, prepare_decode_ahead
 from nanovllm.engine.sampling import (
     RunnerOutput,
@@ -179,17 +180,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], prompt_logprob_seqs: list[int] | None = None,
-               after: StepHandle | None = None) -> StepHandle:
+               after: StepHandle | None = None, source_rows: list[int] | None = None) -> StepHandle:
         """Start the step on the device and return at once (on CUDA); ``result()`` waits for its tokens.
 
         after: the step still running before this one, whose sampled tokens are this step's inputs: every
         sequence here decodes the token it has in flight there (see ``prepare_decode_ahead``).
+        source_rows: each sequence's row in ``after``'s sampled tokens; by default looked up from the sequences
+        themselves (a tensor-parallel worker's are fresh copies each step, so rank 0 sends the rows).
         """
         if after is None:
             batch = prepare_batch(seqs, self.block_size, self.device)
         else:
-            rows = after.row_of_seq
-            batch = prepare_decode_ahead(seqs, [rows[id(s)] for s in seqs], self.block_size, self.device)
+            if source_rows is None:
+                rows = after.row_of_seq
+                source_rows = [rows[id(s)] for s in seqs]
+            batch = prepare_decode_ahead(seqs, source_rows, self.block_size, self.device)
             batch.input_ids = after.token_ids.index_select(0, batch.input_ids)
             prompt_logprob_seqs = []  # decodes only; the sequences' step fields still describe the step before
         if self.graphs is not None and batch.is_decode_only and self.graphs.fits(len(seqs)):
@@ -207,14 +212,31 @@ class ModelRunner:
         plan = prompt_logprob_rows(seqs, prompt_logprob_seqs) if prompt_logprob_seqs else []
         if plan:
             handle.prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, seqs, plan)
-        if logits is None or not batch.sampled_seq_indices:
+        if not batch.sampled_seq_indices:
             return handle
-        sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices]
-        params = build_sampling_tensors(sampled_seqs, logits.shape[-1], self.device, self.seed_source)
-        result = self.sampler(logits, params, self.generator)
-        handle.token_ids = result.token_ids
-        handle.fetch(result)
+        if logits is not None:
+            sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices]
+            params = build_sampling_tensors(sampled_seqs, logits.shape[-1], self.device, self.seed_source)
+            result = self.sampler(logits, params, self.generator)
+            handle.token_ids = result.token_ids
+            handle.fetch(result)
+        if self.shares_sampled_tokens:
+            handle.token_ids = self._share_sampled_tokens(handle.token_ids, len(batch.sampled_seq_indices))
         return handle
+
+    @property
+    def shares_sampled_tokens(self) -> bool:
+        """Tensor parallel with planned steps: every rank needs the sampled ids on its device, as inputs of the
+        step planned after this one (only rank 0 samples)."""
+        return tp_size() > 1 and self.config.async_scheduling_enabled
+
+    def _share_sampled_tokens(self, token_ids: torch.Tensor | None, count: int) -> torch.Tensor:
+        """Rank 0's sampled ids, on every rank's device: a broadcast queued on the stream, no host sync."""
+        import torch.distributed as dist
+        token_ids = torch.empty(count, dtype=torch.int64, device=self.device) if token_ids is None \
+            else token_ids.contiguous()
+        dist.broadcast(token_ids, src=0)
+        return token_ids
 
 
 class StepHandle:

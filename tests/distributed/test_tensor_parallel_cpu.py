@@ -36,6 +36,32 @@ def test_tp2_equals_tp1(tmp_path, family, overrides):
     assert all(not p.is_alive() for p in llm.runner.processes), "workers exit on close"
 
 
+def test_tp2_with_steps_planned_ahead_equals_tp1(tiny_qwen3):
+    """Asynchronous scheduling across ranks (the CUDA default, forced on here): workers take a planned step's
+    inputs from the sampled ids rank 0 broadcast; tokens, seeded samples and stops match one process."""
+    requests = prompts() + [prompts()[2][:40]]
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),  # leaves while others run on
+              SamplingParams(temperature=0.7, seed=1, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+    kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=64)
+    expected = [o.token_ids for o in LLM(tiny_qwen3, **kwargs).generate(requests, params, use_tqdm=False)]
+    llm = LLM(tiny_qwen3, tensor_parallel_size=2, async_scheduling=True, **kwargs)
+    try:
+        assert llm.async_scheduling
+        planned = []
+        original = llm.runner.launch
+        llm.runner.launch = lambda seqs, after=None: planned.append(after is not None) or original(seqs, after=after)
+        assert [o.token_ids for o in llm.generate(requests, params, use_tqdm=False)] == expected
+        assert sum(planned) >= 5, "most decode steps were planned ahead"
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.close()
+    assert all(not p.is_alive() for p in llm.runner.processes), "workers exit on close"
+
+
 def test_dead_worker_is_an_error_not_a_hang(tiny_qwen3):
     llm = LLM(tiny_qwen3, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32)
     worker = llm.runner.processes[0]
