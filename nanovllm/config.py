@@ -37,10 +37,12 @@ class EngineConfig:
     load_format: str = "auto"
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # "torch" or "triton"; default triton on CUDA, torch on the CPU
-    # plan step n+1 while step n runs (default: CUDA with tensor_parallel_size 1); the CPU gains nothing from it
+    # plan step n+1 while step n runs (default: on with CUDA); the CPU gains nothing from it
     async_scheduling: bool | None = None
     # CPU, float32 models: steps of 1-2 tokens multiply by float16 copies of the weights (layers/cpu.py)
     cpu_fp16_decode: bool = False
+    # CPU, float32 models: int8 weights and per-step int8 activations for every linear layer (layers/cpu.py)
+    cpu_int8: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:

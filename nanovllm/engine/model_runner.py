@@ -60,7 +60,7 @@ class ModelRunner:
                      source=model_path if config.load_format != "dummy" else "dummy weights")
         if self.device.type == "cpu":
             # oneDNN's weight layout: the CPU's matmuls are most of its time
-            pack_model_for_cpu(self.model, fp16_rows=config.cpu_fp16_decode)
+            pack_model_for_cpu(self.model, fp16_rows=config.cpu_fp16_decode, int8=config.cpu_int8)
 
         self.backend = make_attention_backend(config)
         self.sampler = Sampler()

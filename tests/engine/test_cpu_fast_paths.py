@@ -165,3 +165,43 @@ def test_engine_with_fp16_decode_generates_like_float32(tiny_qwen3):
     llm = LLM(tiny_qwen3, cpu_fp16_decode=True, **kwargs)
     assert any(m.half_weight is not None for m in llm.runner.model.modules() if hasattr(m, "half_weight"))
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == expected
+
+
+def test_int8_linear_tracks_float32_and_keeps_one_copy():
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(64, 16, 4, 2, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(70, 64)
+    expected = F.linear(x, layer.weight.detach().clone(), layer.bias)
+    layer.pack_for_cpu(int8=True)
+    assert layer.weight.numel() == 0 and layer.half_weight is None and layer.packed_weight is None
+    for rows in (1, 5, 70):
+        got, want = layer(x[:rows]), expected[:rows]
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        error = (got - want).abs().max() / want.abs().max()
+        assert error < 0.03, f"{rows} rows: int8 error {error:.4f} of the largest output"
+    assert (layer(x) - expected).abs().max() > 0, "the int8 path ran (it is not exact)"
+
+
+def test_engine_with_int8_linears_tracks_float32(tiny_qwen3):
+    """int8 everywhere but the MLP's down projection; the prompt's next-token logits stay near float32's."""
+    kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=32, dtype="float32")
+    prompts = [list(range(3, 30)), [7] * 5 + list(range(100, 140)), [300, 2, 45]]
+    logits = {}
+    for int8 in (False, True):
+        llm = LLM(tiny_qwen3, cpu_int8=int8, **kwargs)
+        captured = []
+        original = llm.runner.model.compute_logits
+        llm.runner.model.compute_logits = lambda h, o=original, c=captured: c.append(o(h)) or c[-1]
+        for prompt in prompts:
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        logits[int8] = torch.cat(captured)
+        if int8:
+            layers = {name: m for name, m in llm.runner.model.named_modules() if hasattr(m, "int8_packed")}
+            assert all((m.int8_packed is None) == name.endswith("down_proj") for name, m in layers.items()), \
+                "every linear but down_proj multiplies in int8"
+    ref, got = logits[False], logits[True]
+    spread = (ref.max(-1).values - ref.min(-1).values).min()
+    assert (got - ref).abs().max() < 0.1 * spread
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
