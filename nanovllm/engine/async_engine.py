@@ -99,6 +99,29 @@ class _RequestState:
             pass
 
 
+class _Deliveries:
+    """One step's outputs, handed to each caller's event loop in one call: a wake-up of the loop per step, not
+    per request (each ``call_soon_threadsafe`` writes to the loop's wake-up pipe and takes the GIL)."""
+
+    def __init__(self) -> None:
+        self.by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+
+    def add(self, state: _RequestState, item: RequestOutput | BaseException) -> None:
+        self.by_loop.setdefault(state.loop, []).append((state.outputs, item))
+
+    def send(self) -> None:
+        for loop, items in self.by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator; ``close()`` aborts the request if it is unfinished.
 
@@ -305,6 +328,7 @@ class AsyncLLM:
     def _step(self, stats: IterationStats) -> None:
         seqs = self.engine.step()
         now = time.monotonic()
+        deliveries = _Deliveries()
         # n > 1 may give a request several sequences: one output per request
         for request_id in dict.fromkeys(seq.request_id for seq in seqs):
             state = self._requests.get(request_id)
@@ -331,7 +355,8 @@ class AsyncLLM:
                 reason = "error" if error is not None else next(
                     (c.finish_reason for c in output.outputs if c.finish_reason), "stop")
                 stats.finished.append(self._finished_stats(state, output, reason, now))
-            state.deliver(output if error is None else RequestFailedError(f"the request failed: {error}"))
+            deliveries.add(state, output if error is None else RequestFailedError(f"the request failed: {error}"))
+        deliveries.send()
 
     def _take_output(self, request_id: str) -> tuple[RequestOutput, str | None]:
         """The request's output, and why it failed (None if it did not); a finished request is forgotten."""

@@ -141,3 +141,23 @@ def test_an_engine_failure_fails_requests_and_the_health_check(llm):
         again = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
         assert again.status_code == 503 and set(again.json()["error"]) == {"message", "type", "param", "code"}
     assert not llm.is_running and isinstance(llm.error, RuntimeError)
+
+
+def test_a_step_wakes_each_event_loop_once(llm):
+    """A step's outputs reach the caller's loop in one hand-over, not one per request (each hand-over writes to
+    the loop's wake-up pipe and takes the GIL from the engine thread)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["Hello, world!", "Paged attention keeps", "Once upon a time", "The quick brown"]  # max_num_seqs
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args, **kwargs: calls.append(args[0]) or original(*args, **kwargs)
+        results = await asyncio.gather(*(collect(llm, p, params, f"w{i}") for i, p in enumerate(prompts)))
+        return calls, results
+
+    calls, results = asyncio.run(main())
+    assert all(sum(len(c.token_ids) for c in r[-1].outputs) == 8 for r in results)
+    # 4 requests x 8 tokens would be 32 hand-overs one per request; the batch runs ~9 steps (prefill + 7 decodes)
+    assert len(calls) <= 12, f"{len(calls)} hand-overs for 4 requests of 8 tokens"
