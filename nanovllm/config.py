@@ -41,7 +41,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # CPU, float32 models: steps of 1-2 tokens multiply by float16 copies of the weights (layers/cpu.py)
     cpu_fp16_decode: bool = False
-    # CPU, float32 models: int8 weights and per-step int8 activations for every linear layer (layers/cpu.py)
+    # CPU, float32 models: int8 weights and per-step int8 activations for the linear layers but the MLP's down
+    # projection (layers/cpu.py)
     cpu_int8: bool = False
 
     def __post_init__(self) -> None:

@@ -31,9 +31,10 @@ HELP = {
     "cpu_fp16_decode": "CPU, float32 models: steps of 1-2 tokens (one or two requests decoding) multiply by "
                        "float16 copies of the weights: about 2x faster where memory bandwidth limits them, half "
                        "again the weight memory, float16 rounding",
-    "cpu_int8": "CPU, float32 models: every linear layer and the LM head multiply int8 weights (per output "
-                "channel) by int8-quantized activations (per step): about 2x faster matmuls, a quarter of the "
-                "weight bytes, int8 rounding (greedy tokens may differ from float32's)",
+    "cpu_int8": "CPU, float32 models: the linear layers (but the MLP's down projection) and the LM head "
+                "multiply int8 weights (per output channel) by int8-quantized activations (per step): about 2x "
+                "faster matmuls, a quarter of the weight bytes, int8 rounding (greedy tokens may differ from "
+                "float32's)",
 }
 
 

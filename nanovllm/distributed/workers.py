@@ -165,8 +165,7 @@ class TensorParallelRunner:
             prompt_logprob_seqs = [i for i, s in enumerate(seqs) if wants_prompt_logprobs(s)]
         else:
             prompt_logprob_seqs = []
-            rows = after.row_of_seq
-            source_rows = [rows[id(s)] for s in seqs]
+            source_rows = after.rows_of(seqs)
         dist.broadcast_object_list([("run", (seqs, prompt_logprob_seqs, source_rows))], src=0, group=self.control)
         return self.runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows)
 

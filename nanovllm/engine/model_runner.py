@@ -59,7 +59,7 @@ class ModelRunner:
         load_weights(self.model, checkpoint_tensors(self.model, model_path, config, self.device),
                      source=model_path if config.load_format != "dummy" else "dummy weights")
         if self.device.type == "cpu":
-            # oneDNN's weight layout: the CPU's matmuls are most of its time
+            # the CPU's matmuls are most of its time: packed, float16 or int8 weights where asked (layers/cpu.py)
             pack_model_for_cpu(self.model, fp16_rows=config.cpu_fp16_decode, int8=config.cpu_int8)
 
         self.backend = make_attention_backend(config)
@@ -192,8 +192,7 @@ class ModelRunner:
             batch = prepare_batch(seqs, self.block_size, self.device)
         else:
             if source_rows is None:
-                rows = after.row_of_seq
-                source_rows = [rows[id(s)] for s in seqs]
+                source_rows = after.rows_of(seqs)
             batch = prepare_decode_ahead(seqs, source_rows, self.block_size, self.device)
             batch.input_ids = after.token_ids.index_select(0, batch.input_ids)
             prompt_logprob_seqs = []  # decodes only; the sequences' step fields still describe the step before
@@ -255,10 +254,10 @@ class StepHandle:
         self._logprobs = None
         self._done: torch.cuda.Event | None = None
 
-    @property
-    def row_of_seq(self) -> dict[int, int]:
-        """id(sequence) -> its row in ``token_ids``."""
-        return {id(self.seqs[i]): row for row, i in enumerate(self.batch.sampled_seq_indices)}
+    def rows_of(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's row in ``token_ids`` (every one of them sampled in this step)."""
+        row_of_seq = {id(self.seqs[i]): row for row, i in enumerate(self.batch.sampled_seq_indices)}
+        return [row_of_seq[id(s)] for s in seqs]
 
     def fetch(self, result) -> None:
         tensors = [result.token_ids]

@@ -101,7 +101,8 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 class CpuPackedMatmul:
     """Mixin of a module with a [out, in] ``weight``: after ``pack_for_cpu``, ``cpu_matmul`` multiplies by the
-    oneDNN-packed copy (and by a float16 copy for steps of at most HALF_MAX_ROWS rows, when asked)."""
+    oneDNN-packed copy (and by a float16 copy for steps of at most HALF_MAX_ROWS rows, when asked), or by an
+    int8 copy at every row count."""
 
     packed_weight: torch.Tensor | None = None
     half_weight: torch.Tensor | None = None
