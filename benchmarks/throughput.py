@@ -50,8 +50,11 @@ def roofline_seconds(llm: LLM, prompts, params) -> tuple[float, float]:
     cfg = llm.hf_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
-    weight_params = sum(p.numel() for p in llm.runner.runner.model.parameters()) if hasattr(llm.runner, "runner") \
-        else sum(p.numel() for p in llm.runner.model.parameters())
+    model = getattr(llm.runner, "runner", llm.runner).model
+    weight_params = sum(p.numel() for p in model.parameters())  # a tied embedding counts once, as the LM head
+    if not model.tie_word_embeddings:
+        # a step reads only its tokens' rows of an input embedding of its own (Qwen3-8B: 0.6 G of 8.2 G params)
+        weight_params -= model.model.embed_tokens.weight.numel()
     weight_params *= llm.config.tensor_parallel_size
     kv_reads = sum(len(p) * sp.max_tokens + sp.max_tokens * (sp.max_tokens - 1) // 2 for p, sp in zip(prompts, params))
     decode_steps = max(sp.max_tokens for sp in params)  # all requests fit at once on the card
@@ -187,6 +190,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan each step while the one before runs (default: the engine's, on with one GPU)")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="tensor parallelism: NCCL for every all-reduce")
     parser.add_argument("--profile", action="store_true", help="report where a step's time goes")
     parser.add_argument("--kernel-profile", action="store_true",
                         help="torch.profiler over each workload: the top device kernels by total time (adds "
@@ -198,7 +203,7 @@ def main() -> None:
               tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kvcache_block_size=args.kvcache_block_size, device=args.device, dtype=args.dtype,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, disable_custom_all_reduce=args.disable_custom_all_reduce)
     # one warm-up call that touches the shapes the workloads will (prefill chunks, mixed and decode steps)
     warm_prompts, warm_params = workload("W1", 32)
     llm.generate(warm_prompts, [SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)] * 32,
@@ -223,6 +228,7 @@ def main() -> None:
                    output_tokens=generated, seconds=round(seconds, 3), output_tok_s=round(generated / seconds, 1),
                    ceiling_tok_s=round(ceiling, 1), fraction_of_ceiling=round(generated / seconds / ceiling, 3),
                    enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                   custom_all_reduce=args.tensor_parallel_size > 1 and not args.disable_custom_all_reduce,
                    preemptions=llm.scheduler.stats.num_preemptions, kv_blocks=llm.num_kvcache_blocks,
                    async_scheduling=llm.async_scheduling, model=os.path.basename(os.path.normpath(args.model)),
                    **timer.report())

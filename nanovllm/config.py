@@ -36,6 +36,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     load_format: str = "auto"
     tensor_parallel_size: int = 1
+    # CUDA tensor parallelism: NCCL for every all-reduce, not the engine's own for small tensors
+    disable_custom_all_reduce: bool = False
     attention_backend: str | None = None  # "torch" or "triton"; default triton on CUDA, torch on the CPU
     # plan step n+1 while step n runs (default: on with CUDA); the CPU gains nothing from it
     async_scheduling: bool | None = None

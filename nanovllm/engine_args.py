@@ -25,6 +25,8 @@ HELP = {
     "enforce_eager": "no CUDA graphs",
     "load_format": "auto, safetensors, gguf or dummy (random weights from config.json)",
     "tensor_parallel_size": "number of GPUs (or CPU processes) to split the model across",
+    "disable_custom_all_reduce": "tensor parallelism on CUDA: all-reduce with NCCL only, not with the engine's "
+                                 "own peer-to-peer all-reduce of small (decode) tensors",
     "attention_backend": "torch or triton (default: triton on CUDA, torch on the CPU)",
     "async_scheduling": "plan and launch each step while the one before still runs, so the device never waits "
                         "for the host (default: on with CUDA)",

@@ -9,7 +9,7 @@ import torch
 
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
-from nanovllm.distributed.state import tp_size
+from nanovllm.distributed.state import set_custom_all_reduce, tp_size
 from nanovllm.engine.batch import StepBatch, prepare_batch, prepare_decode_ahead
 from nanovllm.engine.sampling import (
     RunnerOutput,
@@ -56,6 +56,11 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous_dtype)
         self.model.eval()
+        self.custom_all_reduce = None
+        if self.device.type == "cuda" and tp_size() > 1 and not config.disable_custom_all_reduce:
+            from nanovllm.distributed.symmetric_all_reduce import SymmetricAllReduce
+            self.custom_all_reduce = SymmetricAllReduce.create(self.device)
+            set_custom_all_reduce(self.custom_all_reduce)
         load_weights(self.model, checkpoint_tensors(self.model, model_path, config, self.device),
                      source=model_path if config.load_format != "dummy" else "dummy weights")
         if self.device.type == "cpu":
@@ -79,6 +84,10 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+        if self.custom_all_reduce is not None:
+            set_custom_all_reduce(None)
+            self.custom_all_reduce.close()
+            self.custom_all_reduce = None
         self.kv_cache = None
 
     # -- KV pool -------------------------------------------------------------------------------------------------

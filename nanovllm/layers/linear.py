@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.distributed.state import all_reduce, tp_rank, tp_size
+from nanovllm.distributed.state import all_reduce, custom_all_reduce, tp_rank, tp_size
 from nanovllm.layers.cpu import CpuPackedMatmul
 
 
@@ -121,6 +121,18 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.cpu_matmul(x, self.bias if self.tp_rank == 0 else None)
+        bias = self.bias if self.tp_rank == 0 else None
         # the layer's own size, fixed when it was built: another engine may share this process
-        return all_reduce(y) if self.tp_size > 1 else y
+        if self.tp_size == 1:
+            return self.cpu_matmul(x, bias)
+        reducer = custom_all_reduce() if x.is_cuda else None
+        shared = reducer.shared_output((*x.shape[:-1], self.weight.shape[0]), x.dtype) if reducer else None
+        if shared is None:
+            return all_reduce(self.cpu_matmul(x, bias))
+        # decode-sized: the partial sum goes straight into the buffer the ranks share, and the sum is read from
+        # there (no copy in or out); it is valid until the next all-reduce, and the residual add + norm that
+        # follows every row-parallel layer reads it before then
+        torch.matmul(x, self.weight.t(), out=shared)
+        if bias is not None:
+            shared += bias
+        return reducer.reduce_shared(shared)

@@ -31,6 +31,7 @@ def test_tp2_equals_tp1_qwen3_shape(monkeypatch):
     torch.cuda.empty_cache()
     llm = LLM(FOLDER, tensor_parallel_size=2, **kwargs)
     try:
+        assert llm.runner.runner.custom_all_reduce is not None  # decode steps all-reduce peer to peer
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     finally:
         llm.close()
