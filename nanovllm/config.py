@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -41,11 +42,13 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" or "triton"; default triton on CUDA, torch on the CPU
     # plan step n+1 while step n runs (default: on with CUDA); the CPU gains nothing from it
     async_scheduling: bool | None = None
-    # CPU, float32 models: steps of 1-2 tokens multiply by float16 copies of the weights (layers/cpu.py)
+    # deprecated: the same as cpu_fp16 (it once meant float16 copies for steps of 1-2 tokens only)
     cpu_fp16_decode: bool = False
     # CPU, float32 models: int8 weights and per-step int8 activations for the linear layers but the MLP's down
-    # projection (layers/cpu.py)
+    # projection, which takes float16 weights (layers/cpu.py)
     cpu_int8: bool = False
+    # CPU, float32 models: float16 weights (fbgemm) for every linear layer and the LM head (layers/cpu.py)
+    cpu_fp16: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -75,6 +78,10 @@ class EngineConfig:
             raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU.")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}.")
+        if self.cpu_fp16_decode:
+            warnings.warn("cpu_fp16_decode is deprecated: use cpu_fp16 (float16 weights at every batch size)",
+                          DeprecationWarning, stacklevel=3)
+            self.cpu_fp16 = True
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
             if not os.path.exists(self.model):

@@ -65,7 +65,7 @@ class ModelRunner:
                      source=model_path if config.load_format != "dummy" else "dummy weights")
         if self.device.type == "cpu":
             # the CPU's matmuls are most of its time: packed, float16 or int8 weights where asked (layers/cpu.py)
-            pack_model_for_cpu(self.model, fp16_rows=config.cpu_fp16_decode, int8=config.cpu_int8)
+            pack_model_for_cpu(self.model, int8=config.cpu_int8, fp16=config.cpu_fp16)
 
         self.backend = make_attention_backend(config)
         self.sampler = Sampler()

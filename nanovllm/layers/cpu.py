@@ -1,5 +1,4 @@
-"""CPU fast paths: which dtype pays on this CPU, linear weights prepacked for oneDNN, float16 decode copies,
-int8 matmuls.
+"""CPU fast paths: which dtype pays on this CPU, linear weights prepacked for oneDNN, float16 or int8 weights.
 
 On the CPU a model's time is its matmuls. torch's default ``F.linear`` goes through BLAS with the weight in
 its checkpoint layout; oneDNN with the weight reordered once into its own blocked layout was 4-16 % faster
@@ -7,9 +6,10 @@ end to end on a 2-core AVX2 machine, but keeps state for every new row count (se
 opt-in (NANOVLLM_CPU_PACK=1). A packed layer keeps only the packed copy, so memory does not double.
 
 One row is a matrix-vector product: it reads every weight once and is bound by memory bandwidth, not FLOPs.
-With ``fp16_rows`` a layer also keeps a float16 copy of its weight for steps of at most HALF_MAX_ROWS rows:
-torch's float16 matrix-vector kernel (float32 accumulation) reads half the bytes, about 2x faster than float32
-there, at the cost of float16 rounding and half again the weight memory (EngineConfig.cpu_fp16_decode).
+With ``fp16`` (EngineConfig.cpu_fp16) a layer multiplies through fbgemm's float16-weight GEMM: float32
+activations and sums, the weight stored (and read) as float16. Measured on a 2-core AVX2 machine, per layer of
+SmolLM2-135M with weights not in cache: 2-3x faster than float32 at 1 row, 3-6x at 2-4 rows (the LM head
+13.9 -> 3.0 ms at 1 row), 1.3-2.3x at 64 rows; the weight rounding is ~2e-4 of a layer's largest output.
 
 With ``int8`` (EngineConfig.cpu_int8) a layer multiplies through torch's dynamic int8 linear (fbgemm on x86):
 the weight is quantized once per output channel, each step's activations per tensor, the products summed in
@@ -17,8 +17,9 @@ int32 and rescaled to float32. Measured on a 2-core AVX2 machine: 1.7-2x faster 
 3x for the LM head at 64 rows and 7x for one row (a quarter of the bytes to read); about 2 % error of a
 layer's largest output. One activation scale per step is too coarse for inputs with outlier channels: with the
 MLP's down projection (input SiLU(gate) * up) in int8 too, SmolLM2-135M's greedy answers drifted at once (one
-echoed its question); with that layer kept in float32 they read like float32's and differ only in wording.
-torch marks its quantized-tensor API as deprecated: this path needs it to build the weight, and is opt-in.
+echoed its question); with that layer kept in float32 they read like float32's and differ only in wording, so
+it takes the float16 path instead. torch marks its quantized API as deprecated: both paths need it to build
+their weights, and are opt-in (their tokens are not float32's; float32 stays the default).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ import torch.nn.functional as F
 
 # the batch size oneDNN picks the packed layout for (a hint: any number of rows works)
 PACK_BATCH_HINT = 64
-# the most rows for which the float16 copy beats packed float32 (measured: 1 and 2 rows yes, 3 even, 4 no)
-HALF_MAX_ROWS = 2
 
 
 @functools.cache
@@ -74,12 +73,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ b) through a float16 weight, in x's dtype; for a few rows (HALF_MAX_ROWS)."""
-    y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
-    return y if bias is None else y + bias
-
-
 def int8_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight: [out, in] float32 -> an opaque fbgemm/oneDNN packed int8 weight for int8_linear (symmetric, one
     scale per output channel)."""
@@ -99,52 +92,72 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
+def fp16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight: [out, in] float32 -> an opaque fbgemm packed float16 weight for fp16_linear."""
+    with warnings.catch_warnings():  # the quantized API's deprecation notice: see the module docstring
+        warnings.simplefilter("ignore")
+        return torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+
+
+def fp16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T (+ b) with a weight from fp16_weight: float32 x and sums, float16 weights read."""
+    y = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+    return y if bias is None else y + bias
+
+
+def check_fbgemm(what: str) -> None:
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError(f"{what} needs torch's fbgemm kernels (an x86 CPU with AVX2); this torch supports "
+                         f"{torch.backends.quantized.supported_engines}.")
+
+
 class CpuPackedMatmul:
     """Mixin of a module with a [out, in] ``weight``: after ``pack_for_cpu``, ``cpu_matmul`` multiplies by the
-    oneDNN-packed copy (and by a float16 copy for steps of at most HALF_MAX_ROWS rows, when asked), or by an
-    int8 copy at every row count."""
+    oneDNN-packed copy, an int8 copy or a float16 copy (fbgemm), whichever it was given."""
 
     packed_weight: torch.Tensor | None = None
-    half_weight: torch.Tensor | None = None
     int8_packed: torch.Tensor | None = None
+    fp16_packed: torch.Tensor | None = None
     # whether this layer's inputs survive one int8 scale per step (a layer whose inputs have outlier channels,
     # e.g. an MLP's down projection, sets False and stays float32 under int8)
     int8_inputs_ok = True
 
-    def pack_for_cpu(self, release: bool = True, half: bool = False, pack: bool = True, int8: bool = False) -> None:
+    def pack_for_cpu(self, release: bool = True, pack: bool = True, int8: bool = False, fp16: bool = False) -> None:
         """pack: multiply by a oneDNN-packed copy from now on. release: then empty the plain parameter (loading is
         over), so the model holds one copy of its weights; not when a tied embedding still reads it.
-        half: also keep a float16 copy for steps of a few rows. int8: multiply in int8 at every row count."""
+        int8: multiply in int8 instead; fp16: by fbgemm-packed float16 weights instead."""
         if int8:
             self.int8_packed = int8_weight(self.weight)
-            pack = half = False  # every call takes the int8 path
+        elif fp16:
+            self.fp16_packed = fp16_weight(self.weight)
+        pack = pack and not (int8 or fp16)
         if pack:
             self.packed_weight = pack_weight(self.weight)
-        if half:
-            self.half_weight = self.weight.detach().to(torch.float16)
-        if release and (pack or int8):
+        if release and (pack or int8 or fp16):
             self.weight.data = self.weight.data.new_empty(0)
 
     def cpu_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T (+ b) through whichever copy of the weight fits x."""
         if self.int8_packed is not None:
             return int8_linear(x, self.int8_packed, bias)
-        if self.half_weight is not None and x.numel() <= HALF_MAX_ROWS * x.shape[-1]:
-            return half_linear(x, self.half_weight, bias)
+        if self.fp16_packed is not None:
+            return fp16_linear(x, self.fp16_packed, bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
 
 
-def pack_model_for_cpu(model: torch.nn.Module, fp16_rows: bool = False, int8: bool = False) -> int:
+def pack_model_for_cpu(model: torch.nn.Module, int8: bool = False, fp16: bool = False) -> int:
     """Prepare every linear layer and the LM head of a loaded model for the CPU; returns how many.
 
-    Packs only with NANOVLLM_CPU_PACK=1 (``can_pack``). fp16_rows: also keep float16 copies for steps of at
-    most HALF_MAX_ROWS rows (float32 models only). int8: int8 matmuls instead (float32 models only).
+    Packs only with NANOVLLM_CPU_PACK=1 (``can_pack``). int8: int8 matmuls instead, and float16 weights for a
+    layer whose inputs do not survive int8. fp16: float16 weights (fbgemm) everywhere. Both: float32 models only.
     """
     pack = can_pack()
-    if not pack and not fp16_rows and not int8:
+    if not pack and not int8 and not fp16:
         return 0
+    if int8 or fp16:
+        check_fbgemm("cpu_int8" if int8 else "cpu_fp16")
     users: dict[int, int] = {}  # weight -> how many modules hold it (a tied LM head shares the embedding's)
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -156,7 +169,8 @@ def pack_model_for_cpu(model: torch.nn.Module, fp16_rows: bool = False, int8: bo
         if pack_module is not None and module.weight.device.type == "cpu" and module.weight.dtype in (
                 torch.float32, torch.bfloat16):
             is_float32 = module.weight.dtype == torch.float32
-            pack_module(release=users[id(module.weight)] == 1, half=fp16_rows and is_float32, pack=pack,
-                        int8=int8 and is_float32 and module.int8_inputs_ok)
+            layer_int8 = int8 and is_float32 and module.int8_inputs_ok
+            pack_module(release=users[id(module.weight)] == 1, pack=pack, int8=layer_int8,
+                        fp16=is_float32 and (fp16 or int8) and not layer_int8)
             count += 1
     return count

@@ -115,13 +115,23 @@ def test_packed_linear_equals_f_linear_and_keeps_one_copy():
     for rows in (1, 5):
         torch.testing.assert_close(layer(x[:rows]), expected[:rows], atol=1e-5, rtol=1e-5)
 
-    row = RowParallelLinear(64, 32)
-    row.weight.data.normal_()
-    plain = F.linear(x, row.weight.detach().clone())
-    row.pack_for_cpu(half=True)
-    torch.testing.assert_close(row(x), plain, atol=1e-5, rtol=1e-5)  # 5 rows: packed float32
-    torch.testing.assert_close(row(x[:2]), plain[:2], atol=5e-2, rtol=1e-2)  # 2 rows: the float16 copy
-    assert row.half_weight.dtype == torch.float16
+
+
+def test_fp16_linear_tracks_float32_and_keeps_one_copy():
+    torch.manual_seed(0)
+    layer = RowParallelLinear(64, 32, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(70, 64)
+    expected = F.linear(x, layer.weight.detach().clone(), layer.bias)
+    layer.pack_for_cpu(fp16=True)
+    assert layer.weight.numel() == 0 and layer.packed_weight is None and layer.int8_packed is None
+    for rows in (1, 2, 5, 70):
+        got, want = layer(x[:rows]), expected[:rows]
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        error = (got - want).abs().max() / want.abs().max()
+        assert error < 2e-3, f"{rows} rows: float16-weight error {error:.2e} of the largest output"
+    assert (layer(x) - expected).abs().max() > 0, "the float16 path ran (it is not exact)"
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -156,15 +166,24 @@ def test_cpu_dtype_follows_native_bf16(monkeypatch):
         cpu.cpu_has_fast_bf16.cache_clear()
 
 
-def test_engine_with_fp16_decode_generates_like_float32(tiny_qwen3):
-    """Greedy tokens of a lone request with float16 decode copies stay those of float32 on a decisive model."""
+def test_engine_with_fp16_weights_generates_like_float32(tiny_qwen3):
+    """Greedy tokens with float16 weights stay those of float32 on a decisive model, alone and batched."""
     kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=32, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompt = [list(range(3, 30))]
-    expected = LLM(tiny_qwen3, **kwargs).generate(prompt, params, use_tqdm=False)[0].token_ids
-    llm = LLM(tiny_qwen3, cpu_fp16_decode=True, **kwargs)
-    assert any(m.half_weight is not None for m in llm.runner.model.modules() if hasattr(m, "half_weight"))
-    assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == expected
+    prompts = [list(range(3, 30)), [7] * 5 + list(range(100, 140)), [300, 2, 45]]
+    reference = LLM(tiny_qwen3, **kwargs)
+    expected = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(tiny_qwen3, cpu_fp16=True, **kwargs)
+    layers = [m for m in llm.runner.model.modules() if hasattr(m, "fp16_packed")]
+    assert layers and all(m.fp16_packed is not None for m in layers), "every linear and the LM head"
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.generate(prompts[:1], params, use_tqdm=False)[0].token_ids == expected[0]
+
+
+def test_cpu_fp16_decode_is_a_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match="cpu_fp16"):
+        config = EngineConfig(device="cpu", cpu_fp16_decode=True)
+    assert config.cpu_fp16
 
 
 def test_int8_linear_tracks_float32_and_keeps_one_copy():
@@ -175,7 +194,7 @@ def test_int8_linear_tracks_float32_and_keeps_one_copy():
     x = torch.randn(70, 64)
     expected = F.linear(x, layer.weight.detach().clone(), layer.bias)
     layer.pack_for_cpu(int8=True)
-    assert layer.weight.numel() == 0 and layer.half_weight is None and layer.packed_weight is None
+    assert layer.weight.numel() == 0 and layer.fp16_packed is None and layer.packed_weight is None
     for rows in (1, 5, 70):
         got, want = layer(x[:rows]), expected[:rows]
         assert got.dtype == torch.float32 and got.shape == want.shape
@@ -201,6 +220,8 @@ def test_engine_with_int8_linears_tracks_float32(tiny_qwen3):
             layers = {name: m for name, m in llm.runner.model.named_modules() if hasattr(m, "int8_packed")}
             assert all((m.int8_packed is None) == name.endswith("down_proj") for name, m in layers.items()), \
                 "every linear but down_proj multiplies in int8"
+            assert all((m.fp16_packed is not None) == name.endswith("down_proj") for name, m in layers.items()), \
+                "down_proj multiplies float16 weights"
     ref, got = logits[False], logits[True]
     spread = (ref.max(-1).values - ref.min(-1).values).min()
     assert (got - ref).abs().max() < 0.1 * spread
