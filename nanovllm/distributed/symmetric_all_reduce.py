@@ -2,9 +2,12 @@
 
 A decode step of a tensor-parallel model all-reduces two [batch, hidden] tensors a layer. At those sizes
 NCCL's ring costs ~37 us for 2 MB on two H200s, a two-shot all-reduce that reads the peers' buffers over
-NVLink ~13 us (docs/benchmarks.md). Each call copies the input into a buffer every rank mapped at start,
-reduces it in place there (each rank sums its share from all peers, then writes it to every peer) and copies
-the sum back, so callers keep NCCL's in-place semantics. Tensors larger than the buffer (prefill) go to NCCL.
+NVLink ~13 us (docs/benchmarks.md). Every rank maps one buffer of each peer's at start; the two-shot
+operation reduces a tensor in that buffer in place (each rank sums its share from all peers, then writes it to
+every peer). A row-parallel layer computes its partial sum straight into the buffer and reads the sum from it
+(``shared_output``, ``reduce_shared``); any other caller's tensor is copied in and the sum copied back, as
+NCCL's in-place all-reduce would leave it. Tensors larger than the buffer (prefill chunks) go to NCCL, and so
+does everything across machines (no peer access: ``create`` returns None).
 
 Only torch's two-shot operation is used: no NVLink multicast. Every rank takes the same path for a tensor
 (the choice depends on its shape and dtype alone), or the collective would wait forever.
