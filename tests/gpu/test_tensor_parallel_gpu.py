@@ -13,9 +13,10 @@ pytestmark = [pytest.mark.gpu,
 FOLDER = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "model_configs", "qwen3-0.6b")
 
 
-def test_tp2_equals_tp1_qwen3_shape(monkeypatch):
+@pytest.mark.parametrize("custom_all_reduce", [True, False], ids=["peer-to-peer", "nccl-only"])
+def test_tp2_equals_tp1_qwen3_shape(monkeypatch, custom_all_reduce):
     # eager elementwise ops: each process would otherwise compile them first (minutes in all for two engines and
-    # a worker); the TP=2 engine still captures its CUDA graphs, with NCCL all-reduces inside
+    # a worker); the TP=2 engine still captures its CUDA graphs, with its all-reduces inside
     monkeypatch.setenv("NANOVLLM_NO_COMPILE", "1")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 10000, (int(n),), generator=g).tolist()
@@ -29,9 +30,10 @@ def test_tp2_equals_tp1_qwen3_shape(monkeypatch):
     expected = [o.token_ids for o in single.generate(prompts, params, use_tqdm=False)]
     del single
     torch.cuda.empty_cache()
-    llm = LLM(FOLDER, tensor_parallel_size=2, **kwargs)
+    llm = LLM(FOLDER, tensor_parallel_size=2, disable_custom_all_reduce=not custom_all_reduce, **kwargs)
     try:
-        assert llm.runner.runner.custom_all_reduce is not None  # decode steps all-reduce peer to peer
+        # decode steps all-reduce peer to peer unless disabled
+        assert (llm.runner.runner.custom_all_reduce is not None) == custom_all_reduce
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     finally:
         llm.close()
