@@ -2,7 +2,8 @@
 
 One run measures, on the same chat prompts (greedy, --max-tokens new tokens, EOS ignored):
 
-- nanovllm, one request at a time (``--num-single`` of them) and all ``--num-concurrent`` at once;
+- nanovllm, one request at a time (``--num-single`` of them) and all ``--num-concurrent`` at once, once per
+  ``--engine-args`` configuration (e.g. ``--engine-args '{}' --engine-args '{"cpu_int8": true}'``);
 - HF transformers ``generate`` in float32, batch 1 (``--num-single``) and one left-padded batch of ``--hf-batch``;
 - llama.cpp through llama-cpp-python, one request at a time (``--num-single``), on the same GGUF file.
 
@@ -51,12 +52,18 @@ def load_note() -> dict:
 
 
 # -- nanovllm --------------------------------------------------------------------------------------------------
-def run_nanovllm(args, prompts: list[list[int]]) -> dict:
+def config_label(engine_args: str) -> str:
+    """A short name of one --engine-args configuration, e.g. 'cpu_int8'."""
+    config = json.loads(engine_args)
+    return ",".join(k if v is True else f"{k}={v}" for k, v in config.items()) or "defaults"
+
+
+def run_nanovllm(args, prompts: list[list[int]], engine_args: str) -> dict:
     import resource
 
     from nanovllm import LLM, SamplingParams
 
-    llm = LLM(args.model, **json.loads(args.engine_args))
+    llm = LLM(args.model, **json.loads(engine_args))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
@@ -78,7 +85,8 @@ def run_nanovllm(args, prompts: list[list[int]]) -> dict:
     runner = getattr(llm.runner, "runner", llm.runner)
     info = {"dtype": str(runner.dtype), "threads": __import__("torch").get_num_threads(),
             "block_size": llm.config.kvcache_block_size}
-    return {"parts": {"nanovllm single": single, f"nanovllm {args.num_concurrent} concurrent": concurrent},
+    name = "nanovllm" + (f" [{config_label(engine_args)}]" if len(args.engine_args) > 1 else "")
+    return {"name": name, "parts": {f"{name} single": single, f"{name} {args.num_concurrent} concurrent": concurrent},
             "info": info, "maxrss": lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -193,9 +201,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="run every part this many times; the best counts")
     parser.add_argument("--llama-python", default=None, help="a python with llama_cpp (see above)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["nanovllm", "hf", "llama.cpp"])
-    parser.add_argument("--engine-args", default="{}", help="extra LLM(...) keyword arguments as JSON")
+    parser.add_argument("--engine-args", action="append", default=None,
+                        help="extra LLM(...) keyword arguments as JSON; give it several times to compare "
+                             "configurations in one call (the machine's speed drifts between calls)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     args = parser.parse_args()
+    args.engine_args = args.engine_args or ["{}"]
 
     import torch
 
@@ -214,7 +225,9 @@ def main() -> None:
     engines = {}
     rss = None
     if "nanovllm" not in args.skip:
-        engines["nanovllm"] = run_nanovllm(args, prompts)
+        for engine_args in args.engine_args:
+            engine = run_nanovllm(args, prompts, engine_args)
+            engines[engine["name"]] = engine
     if "hf" not in args.skip:
         engines["hf"] = run_hf(args, prompts, args.model, pad_id)
 
@@ -230,8 +243,9 @@ def main() -> None:
                       f"(load {before['load1']})", flush=True)
                 if name not in best or row["tok_s"] > best[name]["tok_s"]:
                     best[name] = row
-        if "nanovllm" in engines:
-            rss = engines["nanovllm"]["maxrss"]()
+        ours = [e for e in engines.values() if "maxrss" in e]
+        if ours:
+            rss = ours[0]["maxrss"]()  # the process's peak: every configuration's engine lives in it
 
     llama = None
     if "llama.cpp" not in args.skip:
@@ -244,29 +258,31 @@ def main() -> None:
             best["llama.cpp single"] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                                         "load_before": before, "load_after": load_note()}
 
-    print(f"\n{'engine / mode':<34}{'tokens':>8}{'seconds':>10}{'tok/s':>10}")
+    print(f"\n{'engine / mode':<48}{'tokens':>8}{'seconds':>10}{'tok/s':>10}")
     for name, row in best.items():
-        print(f"{name:<34}{row['tokens']:>8}{row['seconds']:>10.2f}{row['tok_s']:>10.1f}")
+        print(f"{name:<48}{row['tokens']:>8}{row['seconds']:>10.2f}{row['tok_s']:>10.1f}")
     ratios = {}
-    ours = {"single": best.get("nanovllm single"), "concurrent": best.get(f"nanovllm {args.num_concurrent} concurrent")}
     targets = [("single", "llama.cpp single", 0.5), ("concurrent", "llama.cpp single", 5.0),
                ("concurrent", f"HF generate padded batch {args.hf_batch}", 4.0),
                ("single", "HF generate batch 1", None)]
     print()
-    for mine, peer, target in targets:
-        if ours[mine] and peer in best:
-            ratio = ours[mine]["tok_s"] / best[peer]["tok_s"]
-            key = f"nanovllm {mine} / {peer}"
-            ratios[key] = {"ratio": ratio, "target": target, "met": None if target is None else ratio >= target}
-            goal = "" if target is None else f"  (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
-            print(f"{key:<56}{ratio:>7.2f}x{goal}")
+    for name in [e["name"] for e in engines.values() if "name" in e]:
+        ours = {"single": best.get(f"{name} single"), "concurrent": best.get(f"{name} {args.num_concurrent} concurrent")}
+        for mine, peer, target in targets:
+            if ours[mine] and peer in best:
+                ratio = ours[mine]["tok_s"] / best[peer]["tok_s"]
+                key = f"{name} {mine} / {peer}"
+                ratios[key] = {"ratio": ratio, "target": target, "met": None if target is None else ratio >= target}
+                goal = "" if target is None else f"  (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
+                print(f"{key:<64}{ratio:>7.2f}x{goal}")
 
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "cpu_flags": cpu_flags(), "torch": torch.__version__, "model": args.model,
         "max_tokens": args.max_tokens, "prompt_tokens": [len(p) for p in prompts[:count]],
         "threads": args.threads, "repeat": args.repeat, "results": best, "ratios": ratios,
-        "nanovllm": engines["nanovllm"]["info"] if "nanovllm" in engines else None,
+        "engine_args": args.engine_args,
+        "nanovllm": {e["name"]: e["info"] for e in engines.values() if "name" in e} or None,
         "nanovllm_peak_rss_bytes": rss,
         "llama_cpp": {k: v for k, v in (llama or {}).items() if k != "runs"} or None,
     }
