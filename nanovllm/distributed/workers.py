@@ -80,6 +80,7 @@ def _serve_steps(runner, control) -> None:
         dist.broadcast_object_list(message, src=0, group=control)
         command, payload = message[0]
         if command == "exit":
+            dist.barrier(group=control)  # rank 0 tears the group down only once every rank has the message
             return
         assert command == "run", command
         seqs, prompt_logprob_seqs, source_rows = payload
@@ -106,6 +107,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config, hf_config,
     finally:
         if runner is not None:
             runner.close()  # CUDA graphs hold NCCL work: free them before the group
+        control = None  # see TensorParallelRunner.close
         dist.destroy_process_group()
 
 
@@ -131,6 +133,7 @@ class TensorParallelRunner:
                 runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
                 _serve_steps(runner, self.control)
                 runner.close()
+                self.control = None  # no process group may outlive destroy_process_group (see close)
                 dist.destroy_process_group()
                 sys.exit(0)
         else:
@@ -177,10 +180,14 @@ class TensorParallelRunner:
         try:
             if all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([("exit", None)], src=0, group=self.control)
+                dist.barrier(group=self.control)
             for process in self.processes:
                 process.join(timeout=30)
                 if process.is_alive():
                     process.kill()
         finally:
+            # A group object still referenced after destroy_process_group is destructed at interpreter exit,
+            # where gloo's threads can abort the process ("terminate called without an active exception").
+            self.control = None
             if dist.is_initialized():
                 dist.destroy_process_group()
