@@ -28,6 +28,16 @@ def custom_all_reduce():
     return _custom_all_reduce
 
 
+def min_across_ranks(value: int, device: torch.device) -> int:
+    """The smallest of every tensor-parallel rank's value (a collective: every rank must call it); value itself
+    without tensor parallelism. device: where the default group's backend takes tensors (CUDA for NCCL)."""
+    if tp_size() == 1:
+        return value
+    flag = torch.tensor([value], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return int(flag.item())
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the tensor-parallel ranks, in place; returns x."""
     if tp_size() > 1:

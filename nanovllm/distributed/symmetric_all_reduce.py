@@ -21,6 +21,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from nanovllm.distributed.state import min_across_ranks
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 8 << 20  # two-shot beat NCCL up to 1024 x 4096 bf16 (8 MiB) in the measurement
@@ -100,6 +102,4 @@ class SymmetricAllReduce:
 
 
 def _all_ranks_agree(ok: bool, device: torch.device) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return bool(min_across_ranks(int(ok), device))

@@ -9,7 +9,7 @@ import torch
 
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
-from nanovllm.distributed.state import set_custom_all_reduce, tp_size
+from nanovllm.distributed.state import min_across_ranks, set_custom_all_reduce, tp_size
 from nanovllm.engine.batch import StepBatch, prepare_batch, prepare_decode_ahead
 from nanovllm.engine.sampling import (
     RunnerOutput,
@@ -114,12 +114,7 @@ class ModelRunner:
 
     def _agree_across_ranks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool size: the smallest any rank can hold."""
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return num_blocks
-        value = torch.tensor([num_blocks], device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        return int(value.item())
+        return min_across_ranks(num_blocks, self.device)
 
     def _profile_free_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after a forward at the largest batch."""

@@ -119,7 +119,7 @@ class CpuPackedMatmul:
     int8_packed: torch.Tensor | None = None
     fp16_packed: torch.Tensor | None = None
     # whether this layer's inputs survive one int8 scale per step (a layer whose inputs have outlier channels,
-    # e.g. an MLP's down projection, sets False and stays float32 under int8)
+    # e.g. an MLP's down projection, sets False and takes float16 weights under int8)
     int8_inputs_ok = True
 
     def pack_for_cpu(self, release: bool = True, pack: bool = True, int8: bool = False, fp16: bool = False) -> None:
