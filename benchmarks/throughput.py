@@ -192,6 +192,9 @@ def main() -> None:
                         help="plan each step while the one before runs (default: the engine's, on with one GPU)")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
                         help="tensor parallelism: NCCL for every all-reduce")
+    parser.add_argument("--gather-logits", action="store_true",
+                        help="tensor parallel: gather the logits and sample on rank 0 even when every rank could "
+                             "sample on its slice of the vocabulary (to measure what slice sampling saves)")
     parser.add_argument("--profile", action="store_true", help="report where a step's time goes")
     parser.add_argument("--kernel-profile", action="store_true",
                         help="torch.profiler over each workload: the top device kernels by total time (adds "
@@ -204,6 +207,8 @@ def main() -> None:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kvcache_block_size=args.kvcache_block_size, device=args.device, dtype=args.dtype,
               async_scheduling=args.async_scheduling, disable_custom_all_reduce=args.disable_custom_all_reduce)
+    if args.gather_logits and args.tensor_parallel_size > 1:
+        llm.runner.disable_slice_sampling = True
     # one warm-up call that touches the shapes the workloads will (prefill chunks, mixed and decode steps)
     warm_prompts, warm_params = workload("W1", 32)
     llm.generate(warm_prompts, [SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)] * 32,
@@ -229,6 +234,7 @@ def main() -> None:
                    ceiling_tok_s=round(ceiling, 1), fraction_of_ceiling=round(generated / seconds / ceiling, 3),
                    enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
                    custom_all_reduce=args.tensor_parallel_size > 1 and not args.disable_custom_all_reduce,
+                   slice_sampling=args.tensor_parallel_size > 1 and not args.gather_logits,
                    preemptions=llm.scheduler.stats.num_preemptions, kv_blocks=llm.num_kvcache_blocks,
                    async_scheduling=llm.async_scheduling, model=os.path.basename(os.path.normpath(args.model)),
                    **timer.report())

@@ -7,10 +7,13 @@ Two ways to start the ranks:
   process with RANK 0 returns from ``LLM(...)`` and drives, the others serve steps inside the constructor and
   exit when the driver closes the engine.
 
-Each step, rank 0 broadcasts ("run", ([Sequence], prompt-logprob rows, source rows)) over a host (gloo) group —
-a Sequence pickles to what a worker needs (the token list while prefilling, the last token in decode) — and every
-rank runs the same forward; only rank 0 samples. With asynchronous scheduling, rank 0 also broadcasts each step's
-sampled ids on the device, and a step planned ahead names, for each sequence, its row among them.
+Each step, rank 0 broadcasts ("run", ([Sequence], prompt-logprob rows, source rows, slice sampling)) over a host
+(gloo) group — a Sequence pickles to what a worker needs (the token list while prefilling, the last token in
+decode) — and every rank runs the same forward. On GPUs, a step whose rows need only a temperature is sampled by
+every rank on its slice of the vocabulary (rank 0 sends each row's temperature and noise seed): the ranks exchange
+one (score, id) winner per row. Otherwise the logits are gathered on rank 0, which samples alone; with
+asynchronous scheduling it then broadcasts the sampled ids on the device. A step planned ahead names, for each
+sequence, its row among the previous step's sampled ids.
 """
 
 from __future__ import annotations
@@ -83,9 +86,10 @@ def _serve_steps(runner, control) -> None:
             dist.barrier(group=control)  # rank 0 tears the group down only once every rank has the message
             return
         assert command == "run", command
-        seqs, prompt_logprob_seqs, source_rows = payload
+        seqs, prompt_logprob_seqs, source_rows, slice_sampling = payload
         after = previous if source_rows is not None else None
-        previous = runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows)
+        previous = runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows,
+                                 slice_sampling=slice_sampling)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -149,6 +153,7 @@ class TensorParallelRunner:
             device = _device_for(config, 0)
         self.runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.disable_slice_sampling = False  # tests and benchmarks: gather the logits on rank 0 instead
         self.closed = False
         atexit.register(self.close)
 
@@ -169,8 +174,24 @@ class TensorParallelRunner:
         else:
             prompt_logprob_seqs = []
             source_rows = after.rows_of(seqs)
-        dist.broadcast_object_list([("run", (seqs, prompt_logprob_seqs, source_rows))], src=0, group=self.control)
-        return self.runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows)
+        slice_sampling = self._slice_sampling(seqs, after) if not prompt_logprob_seqs else None
+        message = ("run", (seqs, prompt_logprob_seqs, source_rows, slice_sampling))
+        dist.broadcast_object_list([message], src=0, group=self.control)
+        return self.runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows,
+                                  slice_sampling=slice_sampling)
+
+    def _slice_sampling(self, seqs, after):
+        """(temperatures, seeds) when every rank can sample on its own slice of the vocabulary, else None.
+
+        Only on GPUs (the noise comes from the sampling kernel's per-row seeds) and when the step needs nothing
+        but temperatures; then no logits are gathered on rank 0 and no tokens broadcast from it.
+        """
+        from nanovllm.engine.batch import needs_sample
+        from nanovllm.engine.sampling import temperature_only_rows
+        if self.runner.seed_source is None or self.disable_slice_sampling:
+            return None
+        sampled = seqs if after is not None else [s for s in seqs if needs_sample(s)]
+        return temperature_only_rows(sampled, self.runner.seed_source)
 
     def close(self) -> None:
         if self.closed:

@@ -21,7 +21,7 @@ from nanovllm.engine.sampling import (
 )
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.cpu import pack_model_for_cpu
-from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingTensors
+from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
 
@@ -184,13 +184,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], prompt_logprob_seqs: list[int] | None = None,
-               after: StepHandle | None = None, source_rows: list[int] | None = None) -> StepHandle:
+               after: StepHandle | None = None, source_rows: list[int] | None = None,
+               slice_sampling: tuple[np.ndarray, np.ndarray] | None = None) -> StepHandle:
         """Start the step on the device and return at once (on CUDA); ``result()`` waits for its tokens.
 
         after: the step still running before this one, whose sampled tokens are this step's inputs: every
         sequence here decodes the token it has in flight there (see ``prepare_decode_ahead``).
         source_rows: each sequence's row in ``after``'s sampled tokens; by default looked up from the sequences
         themselves (a tensor-parallel worker's are fresh copies each step, so rank 0 sends the rows).
+        slice_sampling: (temperatures, seeds) of the sampled rows, from rank 0's ``temperature_only_rows``: every
+        rank samples on its slice of the vocabulary (tensor parallel; the step needs nothing else).
         """
         if after is None:
             batch = prepare_batch(seqs, self.block_size, self.device)
@@ -204,7 +207,23 @@ class ModelRunner:
             hidden = self.graphs.replay(batch)
         else:
             hidden = self._forward(batch)
+        if slice_sampling is not None:
+            return self._sample_on_slices(seqs, batch, hidden, slice_sampling)
         return self._sample(seqs, batch, hidden, prompt_logprob_seqs)
+
+    def _sample_on_slices(self, seqs: list[Sequence], batch: StepBatch, hidden: torch.Tensor,
+                          slice_sampling: tuple[np.ndarray, np.ndarray]) -> StepHandle:
+        """Every rank samples on its slice of the vocabulary: no logits gathered, and every rank has the tokens
+        (so no broadcast of them either)."""
+        handle = StepHandle(seqs, batch)
+        if not batch.sampled_seq_indices:
+            return handle
+        temperatures, seeds = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in slice_sampling)
+        token_ids = self.model.lm_head.sample_on_slices(hidden[batch.sample_indices], temperatures, seeds)
+        handle.token_ids = token_ids
+        if self.rank == 0:
+            handle.fetch(SamplerOutput(token_ids))
+        return handle
 
     def _sample(self, seqs: list[Sequence], batch: StepBatch, hidden: torch.Tensor,
                 prompt_logprob_seqs: list[int] | None) -> StepHandle:

@@ -144,9 +144,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
         if seed_source is None:
             tensors = SamplingTensors(temperatures=values[0], generators=generators)
         else:
-            seeds = seed_source.integers(0, 1 << 62, size=len(seqs), dtype=np.int64)
-            for i, source in generators.items():
-                seeds[i] = source.integers(0, 1 << 62)
+            seeds = _draw_row_seeds(len(seqs), seed_source, generators)
             tensors = SamplingTensors(temperatures=values[0], row_seeds=_to_device(seeds, device))
         if any_top_p:
             tensors.top_p = values[1]
@@ -177,6 +175,41 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
         tensors.logprob_rows = _to_device(np.array(with_logprobs, dtype=np.int64), device)
         tensors.num_logprobs = max(seqs[i].sampling_params.logprobs for i in with_logprobs)
     return tensors
+
+
+def _draw_row_seeds(num_rows: int, seed_source: np.random.Generator,
+                    seeded: dict[int, np.random.Generator]) -> np.ndarray:
+    """This step's noise seed of each row: from the engine's source, or the seeded request's own."""
+    seeds = seed_source.integers(0, 1 << 62, size=num_rows, dtype=np.int64)
+    for i, source in seeded.items():
+        seeds[i] = source.integers(0, 1 << 62)
+    return seeds
+
+
+def temperature_only_rows(seqs: list[Sequence],
+                          seed_source: np.random.Generator) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each row's temperature (0 = greedy) and noise seed, when that is all the step's sampling needs; else None.
+
+    Such a step can be sampled by tensor-parallel ranks each on its own slice of the vocabulary (top-k, top-p,
+    min-p, penalties, min_tokens and logprobs need the whole row). Draws the same seeds, in the same order, as
+    ``build_sampling_tensors`` would for these rows, so the tokens do not depend on which path sampled them.
+    """
+    temperatures = np.zeros(len(seqs), dtype=np.float32)
+    seeded: dict[int, np.random.Generator] = {}
+    for i, seq in enumerate(seqs):
+        p = seq.sampling_params
+        if p.logprobs is not None or p.has_penalties or (p.min_tokens and seq.num_completion_tokens < p.min_tokens):
+            return None
+        if p.temperature < SAMPLING_EPS or p.top_k == 1:
+            continue  # greedy
+        if p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0:
+            return None
+        temperatures[i] = p.temperature
+        if p.seed is not None:
+            seeded[i] = row_seed_source(seq)
+    if not temperatures.any():  # all greedy: build_sampling_tensors draws no seeds either
+        return temperatures, np.zeros(len(seqs), dtype=np.int64)
+    return temperatures, _draw_row_seeds(len(seqs), seed_source, seeded)
 
 
 def logprob_entries(result: SampledLogprobs, token_ids: list[int], widths: list[int]) -> list[TokenLogprobs]:

@@ -15,6 +15,11 @@ Two kernels. One program per (row, chunk of the vocabulary) scans its chunk in t
 small batches and ran in few, long waves for large ones. Then one program per row reduces its chunks. The grids
 depend on shapes alone, so a call can be captured in a CUDA graph.
 
+Tensor parallel: a rank holding a slice of the vocabulary scores only its slice (``id_offset`` = the global id of
+its first column, a multiple of 4 so that each token keeps its Philox output) and returns its best (score, id);
+the best of those over the ranks is the token one device would have drawn from the whole row
+(``merge_shard_winners``).
+
 Rows with temperature 0 take the plain argmax (no noise is drawn). Ties go to the lowest token id, as torch.argmax.
 A logit of -inf (a filtered token) never wins unless the whole row is -inf, which gives token 0. Neither the tile
 nor the chunk size changes the token drawn: the reduction keeps the highest score and, among equal scores, the
@@ -45,7 +50,8 @@ def _chunk_argmax_kernel(
     seeds_ptr,              # [rows] int64: this step's seed of each row
     scores_ptr,             # [rows, num_chunks] float32: each chunk's best score
     ids_ptr,                # [rows, num_chunks] int32: its token, _NO_ID if the chunk is all -inf
-    vocab_size,
+    vocab_size,             # columns of this row (of this rank's slice)
+    id_offset,              # global id of column 0: 0, or where this rank's slice starts (a multiple of 4)
     stride_row,
     num_chunks,
     chunk_size,             # tokens per program, a multiple of BLOCK
@@ -69,11 +75,12 @@ def _chunk_argmax_kernel(
     lo = chunk * chunk_size
     hi = tl.minimum(lo + chunk_size, vocab_size)
     for start in range(lo, hi, BLOCK):
-        ids = start + lanes
+        columns = start + lanes
+        ids = id_offset + columns
         # chunks end on tile boundaries, so only the row's end is masked (which keeps the loads vectorized)
-        score = tl.load(row_logits + ids, mask=ids < vocab_size, other=float("-inf")).to(tl.float32)
+        score = tl.load(row_logits + columns, mask=columns < vocab_size, other=float("-inf")).to(tl.float32)
         if not greedy:  # greedy rows draw no noise
-            r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + quads)
+            r0, r1, r2, r3 = tl.randint4x(seed, (id_offset + start) // 4 + quads)
             u = tl.uint_to_uniform_float(tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [QUARTER, 4]))
             u = tl.maximum(u, 1e-10)  # u = 0 would give -inf noise: a lone finite logit could lose to token 0
             e = -tl.log(u)  # exact: winners have u near 1, where an approximate log loses e's digits
@@ -96,8 +103,8 @@ def _chunk_argmax_kernel(
 
 
 @jit_unspecialized("num_chunks")
-def _reduce_chunks_kernel(scores_ptr, ids_ptr, out_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr):
-    """Per row: the highest chunk score, the lowest id among equal scores; an all -inf row gives token 0."""
+def _reduce_chunks_kernel(scores_ptr, ids_ptr, out_ptr, best_score_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr):
+    """Per row: the highest chunk score and the lowest id among equal scores; an all -inf row gives token 0."""
     row = tl.program_id(0)
     best = tl.full([BLOCK_CHUNKS], float("-inf"), tl.float32)
     best_ids = tl.full([BLOCK_CHUNKS], _NO_ID, tl.int32)
@@ -110,9 +117,11 @@ def _reduce_chunks_kernel(scores_ptr, ids_ptr, out_ptr, num_chunks, BLOCK_CHUNKS
         better = scores > best
         best = tl.where(better, scores, best)
         best_ids = tl.where(better, ids, best_ids)
-    winner = tl.min(tl.where(best == tl.max(best), best_ids, _NO_ID))
+    top = tl.max(best)
+    winner = tl.min(tl.where(best == top, best_ids, _NO_ID))
     winner = tl.where(winner == _NO_ID, 0, winner)
     tl.store(out_ptr + row, winner.to(tl.int64))
+    tl.store(best_score_ptr + row, top)
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
@@ -122,16 +131,29 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     block (tokens per tile) and chunk (tokens per program, a multiple of the tile) only change the speed, never
     the tokens drawn; by default chunks are sized so that rows x chunks is about _TARGET_PROGRAMS.
     """
+    return gumbel_argmax_with_scores(logits, temperatures, seeds, block=block, chunk=chunk)[0]
+
+
+def gumbel_argmax_with_scores(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                              id_offset: int = 0, block: int = 1024,
+                              chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``gumbel_argmax``, with each row's winning score too ([rows] float32, -inf for an all -inf row).
+
+    id_offset: the global token id of column 0 (a multiple of 4): the ids returned, and the noise drawn, are those
+    of the whole vocabulary, so that ``merge_shard_winners`` over the slices gives the whole row's token.
+    """
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the vocabulary must be contiguous"
     assert temperatures.shape == (rows,) and seeds.shape == (rows,) and seeds.dtype == torch.int64
     assert block >= 4 and block & (block - 1) == 0, "block: a power of two, at least 4"
+    assert id_offset % 4 == 0, "a slice starts on a multiple of 4 (4 tokens share one Philox call)"
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    best_scores = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if not rows:
-        return out
-    block = max(4, min(block, triton.next_power_of_2(vocab)))
+        return out, best_scores
+    block = max(4, min(block, triton.next_power_of_2(max(vocab, 1))))
     if chunk is None:
-        chunk = triton.next_power_of_2(triton.cdiv(rows * vocab, _TARGET_PROGRAMS))
+        chunk = triton.next_power_of_2(max(1, triton.cdiv(rows * vocab, _TARGET_PROGRAMS)))
         chunk = max(block, min(chunk, _MAX_CHUNK))
     else:
         block = min(block, chunk)
@@ -140,8 +162,18 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     scores = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     ids = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](
-        logits, temperatures.float().contiguous(), seeds.contiguous(), scores, ids, vocab, logits.stride(0),
-        num_chunks, chunk, BLOCK=block, FAST_LOG=not triton.knobs.runtime.interpret,
+        logits, temperatures.float().contiguous(), seeds.contiguous(), scores, ids, vocab, id_offset,
+        logits.stride(0), num_chunks, chunk, BLOCK=block, FAST_LOG=not triton.knobs.runtime.interpret,
         num_warps=max(1, min(8, block // 256)))
-    _reduce_chunks_kernel[(rows,)](scores, ids, out, num_chunks, BLOCK_CHUNKS=_REDUCE_BLOCK)
-    return out
+    _reduce_chunks_kernel[(rows,)](scores, ids, out, best_scores, num_chunks, BLOCK_CHUNKS=_REDUCE_BLOCK)
+    return out, best_scores
+
+
+def merge_shard_winners(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """scores, ids: [slices, rows], each slice's winner (slices in vocabulary order) -> [rows] int64 token ids.
+
+    The highest score wins and, among equal scores, the lowest id, as within one slice; rows that are -inf
+    everywhere give token 0 (every slice reports 0 for them), as one device would.
+    """
+    best = scores.amax(dim=0, keepdim=True)
+    return torch.where(scores == best, ids.long(), torch.iinfo(torch.int64).max).amin(dim=0)

@@ -17,6 +17,10 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.vocab_size = vocab_size
         self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
+        if self.tp_size > 1:  # slices start on multiples of 4, as the sampling kernel's noise needs
+            self.shard_size = (self.shard_size + 3) // 4 * 4
+        # this rank's columns that are real tokens (the last slice may be partly padding)
+        self.num_valid = max(0, min(self.shard_size, vocab_size - self.shard_size * self.tp_rank))
         self.vocab_start = self.shard_size * self.tp_rank
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -39,7 +43,21 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(CpuPackedMatmul, VocabParallelEmbedding):
-    """Logits over the whole vocabulary, gathered on rank 0 (other ranks return None)."""
+    """Logits over the whole vocabulary, gathered on rank 0 (other ranks return None); or, for a step that needs
+    only temperatures, the sampled tokens on every rank with no logits gathered (``sample_on_slices``)."""
+
+    def sample_on_slices(self, hidden: torch.Tensor, temperatures: torch.Tensor,
+                         seeds: torch.Tensor) -> torch.Tensor:
+        """[rows] int64 token ids, equal on every rank: each rank draws from its slice of the vocabulary (the
+        same noise per token as one device), and only each slice's (score, id) winner crosses ranks."""
+        from nanovllm.kernels.sampling import gumbel_argmax_with_scores, merge_shard_winners
+        logits = self.cpu_matmul(hidden, None)[:, :self.num_valid]
+        ids, scores = gumbel_argmax_with_scores(logits, temperatures, seeds, id_offset=self.vocab_start)
+        mine = torch.stack([scores.view(torch.int32), ids.to(torch.int32)])  # one [2, rows] message per rank
+        everyone = mine.new_empty(self.tp_size * 2, mine.shape[1])
+        dist.all_gather_into_tensor(everyone, mine)
+        everyone = everyone.view(self.tp_size, 2, -1)
+        return merge_shard_winners(everyone[:, 0].view(torch.float32), everyone[:, 1])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.cpu_matmul(hidden, None)  # F.linear unless the CPU packed the weight

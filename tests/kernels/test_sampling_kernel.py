@@ -139,3 +139,46 @@ def test_more_chunks_than_one_reduction_tile():
     logits[2, 590] = logits[2, 599] = 7.0  # a tie inside the second tile
     got = gumbel_argmax(logits, torch.zeros(3, device=DEVICE), seeds(3), block=4, chunk=4)
     assert got.tolist() == [13, 598, 590]
+
+
+def _sample_by_slices(logits, temps, row_seeds, bounds, padding=0, **kwargs):
+    """Each slice [lo, hi) of the vocabulary scored alone, as one tensor-parallel rank would, then merged."""
+    from nanovllm.kernels.sampling import gumbel_argmax_with_scores, merge_shard_winners
+    scores, ids = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        # a rank's slice may carry padding columns past the vocabulary: the kernel must not see them
+        part = torch.cat([logits[:, lo:hi], torch.full((logits.shape[0], padding), 1e4, device=DEVICE)], dim=1)
+        row_ids, row_scores = gumbel_argmax_with_scores(part[:, :hi - lo], temps, row_seeds, id_offset=lo, **kwargs)
+        ids.append(row_ids)
+        scores.append(row_scores)
+    return merge_shard_winners(torch.stack(scores), torch.stack(ids))
+
+
+@pytest.mark.parametrize("bounds", [(0, 152, 300), (0, 64, 100, 236, 300), (0, 300, 300)])
+def test_vocabulary_slices_merge_to_the_whole_rows_tokens(bounds):
+    """Tensor-parallel sampling: slices scored apart and merged draw exactly the tokens of the whole row."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(12, 300, generator=g) * 0.5).to(DEVICE)
+    logits[0, 151] = logits[0, 152] = 40.0  # a tie across the first boundary: the lower id wins
+    logits[1, :] = float("-inf")  # nothing allowed: token 0, as one device gives
+    logits[2, 290] = 40.0  # the winner in the last slice
+    temps = torch.tensor([0.0, 0.7, 0.0] + [0.6, 1.0, 1.5] * 3, device=DEVICE)
+    whole = gumbel_argmax(logits, temps, seeds(12), block=16, chunk=32)
+    assert whole[0] == 151 and whole[1] == 0 and whole[2] == 290
+    assert _sample_by_slices(logits, temps, seeds(12), bounds, block=16, chunk=32).tolist() == whole.tolist()
+
+
+def test_vocabulary_slices_draw_varied_tokens_like_the_whole_row():
+    """Flat logits at a high temperature: many different tokens drawn, every one equal to the whole row's."""
+    logits = torch.zeros(64, 96, device=DEVICE)
+    temps = torch.ones(64, device=DEVICE)
+    whole = gumbel_argmax(logits, temps, seeds(64), block=16, chunk=16)
+    assert len(set(whole.tolist())) > 20, "noise must spread the draws"
+    assert _sample_by_slices(logits, temps, seeds(64), (0, 48, 96), padding=4, block=16).tolist() == whole.tolist()
+
+
+def test_a_slice_must_start_on_a_multiple_of_four():
+    from nanovllm.kernels.sampling import gumbel_argmax_with_scores
+    with pytest.raises(AssertionError, match="multiple of 4"):
+        gumbel_argmax_with_scores(torch.zeros(1, 8, device=DEVICE), torch.ones(1, device=DEVICE), seeds(1),
+                                  id_offset=6)
