@@ -67,7 +67,7 @@ def test_tp2_samples_on_vocabulary_slices_with_tp1_tokens(monkeypatch):
         choose = llm.runner._slice_sampling
         llm.runner._slice_sampling = lambda seqs, after: decided.append(choose(seqs, after)) or decided[-1]
         assert run(llm) == expected
-        assert sum(d is not None for d in decided) > 20, "most steps sample on the slices"
+        assert sum(d is not None for d in decided) >= 20, "every step of the first call samples on the slices"
         assert any(d is None for d in decided), "the top-k steps gather the logits"
     finally:
         llm.close()

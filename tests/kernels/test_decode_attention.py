@@ -82,7 +82,8 @@ def test_padding_request_with_no_keys_gives_zeros(paged_batch, tolerances, num_s
 
 def test_choose_num_splits() -> None:
     assert choose_num_splits(256, 8, 1024, 64, 132) == 1   # 2048 programs already cover the SMs
-    assert choose_num_splits(64, 8, 1024, 64, 132) == 3    # 512 programs: splits add waves
+    assert choose_num_splits(64, 8, 1024, 64, 132) == 2    # 512 programs: splits add waves
+    assert choose_num_splits(256, 4, 1024, 64, 132) == 1   # 1024 programs: near enough the aim of 1056
     assert choose_num_splits(1024, 8, 1024, 64, 132) == 1  # enough programs already
     assert choose_num_splits(1, 8, 100, 64, 132) == 1      # too short to split
     assert choose_num_splits(1, 8, 1 << 20, 64, 132) == 64  # capped
