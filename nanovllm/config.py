@@ -82,6 +82,10 @@ class EngineConfig:
             warnings.warn("cpu_fp16_decode is deprecated: use cpu_fp16 (float16 weights at every batch size)",
                           DeprecationWarning, stacklevel=3)
             self.cpu_fp16 = True
+        for flag in ("cpu_int8", "cpu_fp16"):
+            if getattr(self, flag) and (self.is_cuda or self.torch_dtype != torch.float32):
+                warnings.warn(f"{flag} applies to float32 models on the CPU only; ignored here (device "
+                              f"{self.device!r}, dtype {self.torch_dtype})", stacklevel=3)
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
             if not os.path.exists(self.model):

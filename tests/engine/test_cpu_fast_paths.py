@@ -1,5 +1,7 @@
 """The CPU's fast paths equal the references: attention over slots, packed and float16 linears, dtype choice."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,3 +214,12 @@ def test_engine_with_int8_linears_tracks_float32(tiny_qwen3):
     spread = (ref.max(-1).values - ref.min(-1).values).min()
     assert (got - ref).abs().max() < 0.1 * spread
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("flag", ["cpu_int8", "cpu_fp16"])
+def test_cpu_weight_formats_warn_where_they_do_not_apply(flag):
+    with pytest.warns(UserWarning, match=f"{flag} applies to float32 models on the CPU only.*bfloat16"):
+        EngineConfig(device="cpu", dtype="bfloat16", **{flag: True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EngineConfig(device="cpu", dtype="float32", **{flag: True})  # where it applies: no warning
