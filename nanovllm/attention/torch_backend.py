@@ -96,18 +96,31 @@ class DecodePlan:
     """Where the K/V of a step's decode requests sit in the cache, computed once per step for every layer."""
 
     slots: torch.Tensor  # [num_decodes * max_len] int64: cache slot of token j of request i at i * max_len + j
-    valid: torch.Tensor  # [num_decodes, 1, 1, max_len] bool: j < seq_len (padding slots point at slot 0)
+    valid: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool: j < seq_len; None: every request is max_len
     max_len: int
+    # the first slot when a lone request's tokens fill consecutive slots (its blocks are consecutive): its K/V
+    # are then a view of the cache, nothing to gather
+    first_slot: int | None = None
 
 
-def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, block_size: int) -> DecodePlan:
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, block_size: int,
+                seq_lens_host: list[int] | None = None) -> DecodePlan:
     """block_tables: [num_seqs, max_blocks] (ids < 0 are padding); seq_lens: [num_seqs]."""
     positions = torch.arange(max_len, device=block_tables.device)
     num_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long().clamp_min(0)
     slots = table[:, positions // block_size] * block_size + positions % block_size  # [num_seqs, max_len]
-    valid = positions[None, :] < seq_lens[:, None].long()
-    return DecodePlan(slots.reshape(-1), valid[:, None, None, :], max_len)
+    # a padding slot (past a request's seq_len) must be masked, unless there is none
+    if seq_lens_host is not None and min(seq_lens_host) == max_len:
+        valid = None
+    else:
+        valid = (positions[None, :] < seq_lens[:, None].long())[:, None, None, :]
+    first_slot = None
+    if len(table) == 1:
+        blocks = table[0].tolist()
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+            first_slot = blocks[0] * block_size
+    return DecodePlan(slots.reshape(-1), valid, max_len, first_slot)
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
@@ -115,10 +128,14 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """decode_attention_ref's result. q: [num_seqs, num_heads, head_dim] -> like q."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    # [num_seqs, num_kv_heads, max_len, head_dim] views of one gathered copy
-    keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    # [num_seqs, num_kv_heads, max_len, head_dim] views of one gathered copy (or of the cache itself)
+    if plan.first_slot is not None:
+        keys = k_cache.view(-1, num_kv_heads, head_dim).narrow(0, plan.first_slot, plan.max_len)
+        values = v_cache.view(-1, num_kv_heads, head_dim).narrow(0, plan.first_slot, plan.max_len)
+    else:
+        keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+        values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
     keys = keys.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
     values = values.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2)
     # the query heads of one KV head are that head's "query tokens": GQA without repeating K/V
     group = num_heads // num_kv_heads
@@ -181,7 +198,7 @@ class TorchAttentionBackend:
         if self._plan is None or self._plan.meta is not meta:
             nd = meta.num_decodes
             decode = decode_plan(meta.block_tables[:nd], meta.seq_lens[:nd], max(meta.seq_lens_host[:nd]),
-                                 block_size) if nd else None
+                                 block_size, meta.seq_lens_host[:nd]) if nd else None
             valid = meta.slot_mapping.numel() == 0 or bool(meta.slot_mapping.min() >= 0)
             self._plan = _StepPlan(meta, valid, decode)
         return self._plan

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.compile import cuda_compiled
@@ -31,6 +32,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if not x.is_cuda and x.dtype == torch.float32:
+            # CPU: torch's one rms_norm call computes the same float32 result as rms_norm above in one dispatch
+            # instead of seven (each costs microseconds, and a decode step normalises 61 times)
+            if residual is not None:
+                x = x + residual
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return out if residual is None else (out, x)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

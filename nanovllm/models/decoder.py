@@ -59,6 +59,13 @@ class DecoderAttention(nn.Module):
             out = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm)
             return self.o_proj(out.flatten(1, -1))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if not qkv.is_cuda and self.q_norm is None:
+            # CPU: q and k sit side by side in qkv, so one rotation covers both (fewer small ops per layer)
+            qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = self.rotary.rotate_cpu(positions, qk)
+            v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+            out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v)
+            return self.o_proj(out.flatten(1, -1))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
