@@ -13,6 +13,7 @@ from nanovllm.distributed.state import min_across_ranks, set_custom_all_reduce, 
 from nanovllm.engine.batch import StepBatch, prepare_batch, prepare_decode_ahead
 from nanovllm.engine.sampling import (
     RunnerOutput,
+    _to_device,
     build_sampling_tensors,
     compute_prompt_logprobs,
     logprob_entries,
@@ -218,7 +219,7 @@ class ModelRunner:
         handle = StepHandle(seqs, batch)
         if not batch.sampled_seq_indices:
             return handle
-        temperatures, seeds = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in slice_sampling)
+        temperatures, seeds = (_to_device(a, self.device) for a in slice_sampling)
         token_ids = self.model.lm_head.sample_on_slices(hidden[batch.sample_indices], temperatures, seeds)
         handle.token_ids = token_ids
         if self.rank == 0:

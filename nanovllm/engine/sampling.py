@@ -93,6 +93,17 @@ def request_generator(seq: Sequence, device: torch.device) -> torch.Generator | 
 _GREEDY_ROW = (0.0, 1.0, 0, 0.0)
 
 
+def _is_greedy(p) -> bool:
+    # top_k=1 keeps only the most likely token: exactly greedy (also when logits tie, as they do in bf16).
+    return p.temperature < SAMPLING_EPS or p.top_k == 1
+
+
+def _bans_stop_tokens(seq: Sequence) -> bool:
+    """min_tokens not yet reached: EOS and the stop ids may not be sampled this step."""
+    p = seq.sampling_params
+    return bool(p.min_tokens) and seq.num_completion_tokens < p.min_tokens
+
+
 def row_seed_source(seq: Sequence) -> np.random.Generator:
     """The seeded request's own host generator of per-step seeds (sample i of n uses seed + i)."""
     if seq.generator is None:
@@ -117,8 +128,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
     max_top_k = num_sampled = 0
     for i, seq in enumerate(seqs):
         p = seq.sampling_params
-        # top_k=1 keeps only the most likely token: exactly greedy (also when logits tie, as they do in bf16).
-        if p.temperature < SAMPLING_EPS or p.top_k == 1:
+        if _is_greedy(p):
             rows.append(_GREEDY_ROW)  # a greedy row's filters do not matter: its token is the argmax
         else:
             rows.append((p.temperature, p.top_p, p.top_k, p.min_p))
@@ -128,7 +138,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
             max_top_k = max(max_top_k, p.top_k)
             if p.seed is not None:
                 generators[i] = row_seed_source(seq) if seed_source is not None else request_generator(seq, device)
-        if p.min_tokens and seq.num_completion_tokens < p.min_tokens:
+        if _bans_stop_tokens(seq):
             banned.extend((i, t) for t in seq.min_tokens_stop_ids)
         if p.has_penalties:
             penalised.append(i)
@@ -198,10 +208,10 @@ def temperature_only_rows(seqs: list[Sequence],
     seeded: dict[int, np.random.Generator] = {}
     for i, seq in enumerate(seqs):
         p = seq.sampling_params
-        if p.logprobs is not None or p.has_penalties or (p.min_tokens and seq.num_completion_tokens < p.min_tokens):
+        if p.logprobs is not None or p.has_penalties or _bans_stop_tokens(seq):
             return None
-        if p.temperature < SAMPLING_EPS or p.top_k == 1:
-            continue  # greedy
+        if _is_greedy(p):
+            continue
         if p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0:
             return None
         temperatures[i] = p.temperature

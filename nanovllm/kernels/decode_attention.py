@@ -178,7 +178,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     programs = max(1, num_seqs * num_kv_heads)
     # rounded, not ceiled: 256 requests x 4 KV heads (a tensor-parallel rank of Qwen3-8B) are 0.97 of the aim on
     # an H200, where a second split would add a reduce pass for a few percent more programs
-    wanted = max(1, round(PROGRAMS_PER_SM * num_sms / programs))
+    wanted = round(PROGRAMS_PER_SM * num_sms / programs)
     useful = triton.cdiv(max(1, max_seq_len), max(block_n, MIN_TOKENS_PER_SPLIT))
     return max(1, min(wanted, useful, MAX_SPLITS))
 
