@@ -263,3 +263,29 @@ def test_token_counts_follow_new_tokens_across_steps():
         assert tensors.output_counts[0].tolist() == expected.tolist(), step
         assert tensors.prompt_mask[0].nonzero().flatten().tolist() == [1, 2]
         seq.append_token((step * 7) % 50)
+
+
+def test_temperature_only_rows_draw_the_seeds_build_sampling_tensors_draws():
+    """Tensor-parallel slice sampling gets the temperatures and seeds the one-device path would use, and declines
+    a step with anything else to do (top-k, top-p, min-p, penalties, min_tokens, logprobs)."""
+    from nanovllm.engine.sampling import temperature_only_rows
+
+    def batch():  # fresh sequences each time: a seeded request keeps its own seed generator
+        return [seq_with(SamplingParams(temperature=0.0)), seq_with(SamplingParams(temperature=0.7)),
+                seq_with(SamplingParams(temperature=1.0, seed=9)), seq_with(SamplingParams(temperature=0.5, top_k=1))]
+    temperatures, seeds = temperature_only_rows(batch(), np.random.default_rng(4))
+    tensors = build_sampling_tensors(batch(), 50, CPU, np.random.default_rng(4))
+    assert temperatures.tolist() == pytest.approx([0.0, 0.7, 1.0, 0.0])  # top_k=1 is greedy
+    assert seeds.tolist() == tensors.row_seeds.tolist()
+
+    source = np.random.default_rng(4)
+    temperatures, seeds = temperature_only_rows([seq_with(SamplingParams(temperature=0))] * 3, source)
+    assert not temperatures.any() and not seeds.any()
+    assert source.integers(0, 1 << 62) == np.random.default_rng(4).integers(0, 1 << 62), "all greedy: no draw"
+
+    for params in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(presence_penalty=0.5),
+                   dict(repetition_penalty=1.2), dict(logprobs=2), dict(min_tokens=3)):
+        step = [seq_with(SamplingParams(temperature=0.8)), seq_with(SamplingParams(temperature=0.8, **params))]
+        assert temperature_only_rows(step, np.random.default_rng(0)) is None, params
+    assert temperature_only_rows([seq_with(SamplingParams(temperature=0.8, min_tokens=1), output=(3,))],
+                                 np.random.default_rng(0)) is not None, "min_tokens already reached"
