@@ -63,6 +63,11 @@ def forward_context(metadata: AttentionMetadata) -> Iterator[AttentionMetadata]:
         _forward_context = None
 
 
+def peek_forward_context() -> AttentionMetadata | None:
+    """The current step's metadata, or None outside a model forward."""
+    return _forward_context
+
+
 def get_forward_context() -> AttentionMetadata:
     assert _forward_context is not None, "attention ran outside `with forward_context(...)`"
     return _forward_context

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.kernels import cpu_ops
 
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -202,6 +203,23 @@ class TorchAttentionBackend:
             valid = meta.slot_mapping.numel() == 0 or bool(meta.slot_mapping.min() >= 0)
             self._plan = _StepPlan(meta, valid, decode)
         return self._plan
+
+    @staticmethod
+    def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None) -> bool:
+        """A CPU step of decodes only, in float32, with the compiled ops (kernels/cpu_ops.py): then forward_qkv
+        runs the layer's q/k norm, RoPE, KV store and attention as one call."""
+        return (meta is not None and meta.num_prefills == 0 and rotary.cos.shape[-1] == head_dim
+                and cpu_ops.usable(k_cache, rotary.cos))
+
+    @staticmethod
+    def forward_qkv(qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
+                    num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+        """The CPU's fused decode step (see fuses_qkv): qkv [num_seqs, (heads + 2 kv heads) * head_dim]."""
+        return cpu_ops.rope_store_decode_attention(
+            qkv, positions, rotary.cos, rotary.sin, None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps, k_cache, v_cache,
+            meta.block_tables, meta.seq_lens, meta.slot_mapping, num_heads, num_kv_heads, scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -36,6 +36,12 @@ class TritonAttentionBackend:
         self._store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta, scale)
 
+    @staticmethod
+    def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None) -> bool:
+        """The fused kernel's conditions: float32 RoPE tables over the whole head, a power-of-two head_dim."""
+        return (rotary.cos.dtype == torch.float32 and rotary.cos.shape[-1] == head_dim
+                and head_dim & (head_dim - 1) == 0)
+
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
                     num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:

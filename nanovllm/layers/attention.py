@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.attention.metadata import get_forward_context
+from nanovllm.attention.metadata import get_forward_context, peek_forward_context
 
 
 class Attention(nn.Module):
@@ -20,9 +20,10 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
 
     def fuses_qkv(self, rotary) -> bool:
-        """Whether forward_qkv can run: the backend has the fused kernel and the RoPE tables suit it."""
-        return (hasattr(self.backend, "forward_qkv") and rotary.cos.dtype == torch.float32
-                and rotary.cos.shape[-1] == self.head_dim and self.head_dim & (self.head_dim - 1) == 0)
+        """Whether forward_qkv can run (this step, inside a forward): the backend has a fused kernel for it and
+        the RoPE tables suit it."""
+        fuses = getattr(self.backend, "fuses_qkv", None)
+        return fuses is not None and fuses(rotary, self.head_dim, self.k_cache, peek_forward_context())
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm) -> torch.Tensor:
         """Attention straight from the fused qkv projection [num_tokens, (heads + 2 kv heads) * head_dim]: the

@@ -31,6 +31,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels import cpu_ops
+
 # the batch size oneDNN picks the packed layout for (a hint: any number of rows works)
 PACK_BATCH_HINT = 64
 
@@ -117,6 +119,9 @@ class CpuPackedMatmul:
 
     packed_weight: torch.Tensor | None = None
     int8_packed: torch.Tensor | None = None
+    # (int8 weight, scales) for steps of a few rows (kernels/cpu_ops.py: per-row activation scales, and
+    # ~1.7x faster than torch's int8 linear at one row); None without the compiled ops
+    int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     fp16_packed: torch.Tensor | None = None
     # whether this layer's inputs survive one int8 scale per step (a layer whose inputs have outlier channels,
     # e.g. an MLP's down projection, sets False and takes float16 weights under int8)
@@ -128,6 +133,8 @@ class CpuPackedMatmul:
         int8: multiply in int8 instead; fp16: by fbgemm-packed float16 weights instead."""
         if int8:
             self.int8_packed = int8_weight(self.weight)
+            if cpu_ops.load() is not None:
+                self.int8_rows = cpu_ops.quantize_weight_int8(self.weight)
         elif fp16:
             self.fp16_packed = fp16_weight(self.weight)
         pack = pack and not (int8 or fp16)
@@ -138,6 +145,9 @@ class CpuPackedMatmul:
 
     def cpu_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T (+ b) through whichever copy of the weight fits x."""
+        if (self.int8_rows is not None and x.dim() == 2 and x.shape[0] <= cpu_ops.LINEAR_I8_MAX_ROWS
+                and x.is_contiguous()):
+            return cpu_ops.linear_i8(x, self.int8_rows, bias)
         if self.int8_packed is not None:
             return int8_linear(x, self.int8_packed, bias)
         if self.fp16_packed is not None:

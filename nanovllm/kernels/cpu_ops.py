@@ -1,0 +1,172 @@
+"""The CPU's fused decode ops (cpu_ops.c): built with the machine's C compiler on first use, called via ctypes.
+
+A decode step of one request on a small CPU spends as long in ~30 small torch ops per layer (RMSNorm of one
+row ~30 us, SDPA ~90 us, each add or copy 3-5 us) as in its matmuls; cpu_ops.c does the same work in three
+calls a layer: residual add + RMSNorm, SiLU-and-mul, and RoPE + KV store + decode attention over the paged
+cache (read in place). The library is compiled once per source and machine (``-march=native``, OpenMP) into
+``$NANOVLLM_CACHE_DIR`` (default ~/.cache/nanovllm) and loaded after torch, so its OpenMP loops run on the
+libgomp torch already loaded: the same worker threads, no contention.
+
+Without a C compiler, or with ``NANOVLLM_CPU_KERNELS=0``, ``load()`` returns None and the callers keep their
+torch ops (same results up to float rounding; tests/kernels/test_cpu_ops.py checks each op against them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "add_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _F, _I32],
+    "silu_and_mul_f32": [_P, _P, _I64, _I64, _I32],
+    "rope_store_decode_attention_f32": [_P, _I64, _P, _P, _P, _P, _P, _F, _P, _P, _P, _I64, _P, _P, _P, _I64,
+                                        _I64, _I64, _I64, _I64, _F, _I32],
+    "linear_i8_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
+}
+
+
+def enabled() -> bool:
+    return os.environ.get("NANOVLLM_CPU_KERNELS", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("NANOVLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanovllm")
+    return Path(root) / "cpu_ops"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(compiler: str) -> Path:
+    """Compile cpu_ops.c (unless this source and these flags were compiled before); returns the library."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_ops-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # compile beside the target, then rename: processes building at once never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None (disabled, no compiler, or the build failed: logged once)."""
+    if not enabled():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("no C compiler found: the CPU runs its decode steps with torch ops (slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        log.warning("building the CPU decode ops failed, using torch ops instead (slower): %s", detail)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, None
+    lib.linear_i8_block.argtypes, lib.linear_i8_block.restype = [], ctypes.c_int
+    return lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the ops apply: the library loads and every tensor is a float32 CPU tensor."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and load() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm(x) * weight, or with a residual (RMSNorm(x + residual) * weight, x + residual).
+    x, residual: [rows, dim] contiguous float32."""
+    rows, dim = x.shape
+    out = torch.empty_like(x)
+    summed = None if residual is None else torch.empty_like(x)
+    load().add_rms_norm_f32(x.data_ptr(), _ptr(residual), _ptr(summed), weight.data_ptr(), out.data_ptr(), rows,
+                            dim, eps, torch.get_num_threads())
+    return out if residual is None else (out, summed)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a packed [rows, 2 * half] contiguous float32 tensor -> [rows, half]."""
+    rows, width = gate_up.shape
+    out = gate_up.new_empty(rows, width // 2)
+    load().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
+def rope_store_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, norm_eps: float,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                seq_lens: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                                num_kv_heads: int, scale: float) -> torch.Tensor:
+    """One decode token per request: q/k norm (weights or None), RoPE, K/V store and attention in one call.
+
+    qkv: [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] float32, rows contiguous; positions,
+    slot_mapping: [num_seqs] int64; cos, sin: [max_position, head_dim] float32; k_cache, v_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim] float32; block_tables: [num_seqs, max_blocks] int32; seq_lens:
+    [num_seqs] int32 (including the new token). Returns [num_seqs, num_heads, head_dim].
+    """
+    num_seqs = qkv.shape[0]
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    assert qkv.stride(1) == 1 and block_tables.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    out = qkv.new_empty(num_seqs, num_heads, head_dim)
+    load().rope_store_decode_attention_f32(
+        qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), _ptr(q_norm),
+        _ptr(k_norm), norm_eps, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), slot_mapping.data_ptr(), out.data_ptr(), num_seqs, num_heads,
+        num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+    return out
+
+
+# steps of up to this many rows multiply int8 weights here; more rows go to torch's int8 GEMM (fbgemm), which
+# wins once the product is bound by arithmetic rather than by reading the weights
+LINEAR_I8_MAX_ROWS = 2
+
+
+def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """weight [out, in] float -> (int8 weight [out, in], float32 scale [out]), one symmetric scale per output
+    channel ([-127, 127]); None when linear_i8 cannot take this in_features."""
+    if weight.shape[1] % load().linear_i8_block():
+        return None
+    weight = weight.detach().float()
+    scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    return (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def linear_i8(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) for x [rows, in] contiguous float32 (rows <= LINEAR_I8_MAX_ROWS) and a quantize_weight_int8 pair."""
+    w, scale = weight
+    rows = x.shape[0]
+    y = x.new_empty(rows, w.shape[0])
+    load().linear_i8_f32(x.data_ptr(), w.data_ptr(), scale.data_ptr(), _ptr(bias), y.data_ptr(), rows, w.shape[1],
+                         w.shape[0], torch.get_num_threads())
+    return y

@@ -1,0 +1,57 @@
+"""The engine on the CPU runs its decode steps through the compiled ops (kernels/cpu_ops.py) and still gives
+transformers' greedy tokens; under cpu_int8, steps of one or two rows take the int8 matrix-vector kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm.kernels import cpu_ops
+from tests.helpers import hf_greedy, save_tiny_model
+
+
+@pytest.fixture
+def op_calls(monkeypatch) -> dict[str, list[int]]:
+    """Spy on the compiled ops: the row count of every call, by op."""
+    calls: dict[str, list[int]] = {}
+    for name in ("rope_store_decode_attention", "add_rms_norm", "silu_and_mul", "linear_i8"):
+        original = getattr(cpu_ops, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            calls.setdefault(_name, []).append(args[0].shape[0])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_ops, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the kernel's q/k norms
+def test_decode_steps_use_the_compiled_ops_and_give_hf_tokens(family, tmp_path, op_calls):
+    from nanovllm import LLM, SamplingParams
+
+    path = save_tiny_model(family, tmp_path / family)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 9, 30)]
+    reference, _ = hf_greedy(path, prompts, 6)
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == reference
+    # 5 decode steps x 2 layers, every request decoding in each (the prompts prefill in one step)
+    assert op_calls["rope_store_decode_attention"] == [3] * 10
+    assert 3 in op_calls["add_rms_norm"] and 3 in op_calls["silu_and_mul"]
+    assert "linear_i8" not in op_calls  # float32 model, no cpu_int8
+
+
+def test_cpu_int8_takes_the_int8_kernel_for_one_or_two_rows(tmp_path, op_calls):
+    from nanovllm import LLM, SamplingParams
+
+    path = save_tiny_model("llama", tmp_path / "llama")
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64, cpu_int8=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]["token_ids"]
+    # qkv, o, gate_up (down keeps float16) per layer and the LM head: one row each decode step
+    assert op_calls["linear_i8"] and set(op_calls["linear_i8"]) == {1}
+    op_calls.clear()
+    llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)
+    assert "linear_i8" not in op_calls  # three rows: torch's int8 GEMM
+    assert len(alone) == 4 and all(0 <= t < 384 for t in alone)

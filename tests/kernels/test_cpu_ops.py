@@ -1,0 +1,134 @@
+"""The CPU's compiled decode ops (kernels/cpu_ops.c) against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.attention.torch_backend import decode_attention_ref, store_kvcache_ref
+from nanovllm.kernels import cpu_ops
+
+if cpu_ops.load() is None:  # the suite's machines have a C compiler; say so loudly if one does not
+    pytest.fail("the CPU decode ops did not build (no C compiler, or NANOVLLM_CPU_KERNELS=0)", pytrace=False)
+
+
+def _rotate_ref(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (3, 64), (40, 2048)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(rows, dim, with_residual) -> None:
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(rows, dim) * 3, torch.randn(rows, dim), torch.rand(dim) + 0.5
+    if with_residual:
+        out, summed = cpu_ops.add_rms_norm(x, weight, 1e-5, residual)
+        torch.testing.assert_close(summed, x + residual, rtol=0, atol=0)
+        ref = F.rms_norm(x + residual, (dim,), weight, 1e-5)
+    else:
+        out = cpu_ops.add_rms_norm(x, weight, 1e-5)
+        ref = F.rms_norm(x, (dim,), weight, 1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,half", [(1, 1536), (5, 100), (64, 1536)])
+def test_silu_and_mul_matches_torch(rows, half) -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(rows, 2 * half) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, q/k norm): SmolLM2's 9/3 x 64, MHA, GQA 8, Qwen3-style norms
+CASES = [(9, 3, 64, 256, False), (4, 4, 32, 16, False), (8, 1, 128, 16, True), (6, 2, 16, 4, True)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,qk_norm", CASES)
+def test_rope_store_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
+                                                       qk_norm) -> None:
+    torch.manual_seed(2)
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size + 5, 40]  # one token, block boundaries, ragged
+    num_seqs, max_blocks = len(seq_lens), max(-(-n // block_size) for n in seq_lens) + 1
+    num_blocks = num_seqs * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    # scattered, non-consecutive blocks per request; unused table entries hold -1
+    order = torch.randperm(num_blocks)[:num_seqs * max_blocks].view(num_seqs, max_blocks).int()
+    tables = torch.full((num_seqs, max_blocks + 2), -1, dtype=torch.int32)
+    for i, n in enumerate(seq_lens):
+        used = -(-n // block_size)
+        tables[i, :used] = order[i, :used]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    positions = lens.long() - 1
+    slots = tables[torch.arange(num_seqs), positions // block_size].long() * block_size + positions % block_size
+    slots[2] = -1  # a padding row: nothing stored, still attends over what is cached
+    max_position = 4 * block_size + 64
+    angles = torch.outer(torch.arange(max_position).float(), torch.rand(head_dim // 2) + 0.01)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    q_norm = torch.rand(head_dim) + 0.5 if qk_norm else None
+    k_norm = torch.rand(head_dim) + 0.5 if qk_norm else None
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_seqs, width + 7)[:, :width]  # rows with a stride past their width
+    scale = head_dim ** -0.5
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(num_seqs, num_heads, head_dim), k.reshape(num_seqs, num_kv_heads, head_dim)
+    if qk_norm:
+        q, k = F.rms_norm(q, (head_dim,), q_norm, 1e-6), F.rms_norm(k, (head_dim,), k_norm, 1e-6)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q, k = _rotate_ref(q, c, s), _rotate_ref(k, c, s)
+    store_kvcache_ref(k, v.reshape(num_seqs, num_kv_heads, head_dim), k_ref, v_ref, slots)
+    ref = decode_attention_ref(q, k_ref, v_ref, tables, lens, scale)
+
+    out = cpu_ops.rope_store_decode_attention(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache,
+                                              tables, lens, slots, num_heads, num_kv_heads, scale)
+    torch.testing.assert_close(k_cache, k_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_request_of_no_tokens_gets_zeros() -> None:
+    k_cache = torch.randn(2, 4, 1, 8)
+    qkv = torch.randn(1, 3 * 8)
+    out = cpu_ops.rope_store_decode_attention(
+        qkv, torch.zeros(1, dtype=torch.long), torch.ones(4, 8), torch.zeros(4, 8), None, None, 1e-6, k_cache,
+        k_cache.clone(), torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+        torch.full((1,), -1, dtype=torch.long), 1, 1, 1.0)
+    assert torch.equal(out, torch.zeros(1, 1, 8))
+
+
+def test_the_library_shares_torchs_openmp_runtime() -> None:
+    """One libgomp.so.1 in the process: the ops' loops run on torch's threads instead of a second pool.
+    (Wheels that bundle a renamed copy for themselves, e.g. sentencepiece's libgomp-<hash>.so, do not count.)"""
+    cpu_ops.load()
+    maps = open("/proc/self/maps").read()
+    loaded = {line.split()[-1] for line in maps.splitlines() if line.endswith("/libgomp.so.1")}
+    assert len(loaded) <= 1, loaded
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 96, 64), (2, 40, 576), (2, 3, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_i8_is_the_integer_product_of_its_quantized_inputs(rows, out_features, in_features,
+                                                                  with_bias) -> None:
+    torch.manual_seed(3)
+    weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features) * 5
+    x[0, 7] = 40.0  # an outlier channel: its row's scale follows it, the other row's does not
+    bias = torch.randn(out_features) if with_bias else None
+    packed = cpu_ops.quantize_weight_int8(weight)
+    w_q, w_scale = packed
+    assert w_q.dtype == torch.int8 and int(w_q.abs().max()) <= 127
+    torch.testing.assert_close(w_q.float() * w_scale[:, None], weight, rtol=0, atol=float(w_scale.max()) / 2 + 1e-6)
+    # the reference: each row quantized with its own symmetric scale, products summed exactly (int64)
+    x_scale = x.abs().amax(dim=1) / 127
+    x_q = torch.round(x / x_scale[:, None]).clamp(-127, 127).long()
+    ref = (x_q @ w_q.long().t()).double() * x_scale[:, None].double() * w_scale[None, :].double()
+    if bias is not None:
+        ref += bias.double()
+    out = cpu_ops.linear_i8(x, packed, bias)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    # and close to the float product (int8 rounding: ~1 % of the largest output)
+    full = x @ weight.t() + (0 if bias is None else bias)
+    assert float((out - full).abs().max()) < 0.03 * float(full.abs().max())
