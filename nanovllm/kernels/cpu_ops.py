@@ -91,7 +91,6 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, None
-    lib.linear_i8_block.argtypes, lib.linear_i8_block.restype = [], ctypes.c_int
     return lib
 
 
@@ -152,10 +151,14 @@ def rope_store_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
 LINEAR_I8_MAX_ROWS = 2
 
 
+# linear_i8 quantizes its input in blocks of this many values (cpu_ops.c's QBLOCK)
+QUANT_BLOCK = 32
+
+
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """weight [out, in] float -> (int8 weight [out, in], float32 scale [out]), one symmetric scale per output
-    channel ([-127, 127]); None when linear_i8 cannot take this in_features."""
-    if weight.shape[1] % load().linear_i8_block():
+    channel ([-127, 127]); None when linear_i8 cannot take this in_features (not a multiple of QUANT_BLOCK)."""
+    if weight.shape[1] % QUANT_BLOCK:
         return None
     weight = weight.detach().float()
     scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)

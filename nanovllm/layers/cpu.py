@@ -20,6 +20,12 @@ MLP's down projection (input SiLU(gate) * up) in int8 too, SmolLM2-135M's greedy
 echoed its question); with that layer kept in float32 they read like float32's and differ only in wording, so
 it takes the float16 path instead. torch marks its quantized API as deprecated: both paths need it to build
 their weights, and are opt-in (their tokens are not float32's; float32 stays the default).
+
+Steps of one or two rows (a lone request's decode) under ``int8`` multiply every layer, the down projection and
+the LM head included, through kernels/cpu_ops.py's int8 matrix-vector kernel instead: its inputs are quantized
+in blocks of 32 values with a scale each, so an outlier channel coarsens only its block (measured on
+SmolLM2-135M's real activations: ~1-1.5 % relative error for the down projection, against 4-5 % for torch's
+per-tensor int8 on any layer), and it reads the weights at ~11-15 GB/s against torch's 8-12 at one row.
 """
 
 from __future__ import annotations
@@ -127,14 +133,16 @@ class CpuPackedMatmul:
     # e.g. an MLP's down projection, sets False and takes float16 weights under int8)
     int8_inputs_ok = True
 
-    def pack_for_cpu(self, release: bool = True, pack: bool = True, int8: bool = False, fp16: bool = False) -> None:
+    def pack_for_cpu(self, release: bool = True, pack: bool = True, int8: bool = False, fp16: bool = False,
+                     int8_rows: bool = False) -> None:
         """pack: multiply by a oneDNN-packed copy from now on. release: then empty the plain parameter (loading is
         over), so the model holds one copy of its weights; not when a tied embedding still reads it.
-        int8: multiply in int8 instead; fp16: by fbgemm-packed float16 weights instead."""
+        int8: multiply in int8 instead; fp16: by fbgemm-packed float16 weights instead. int8_rows: steps of a
+        few rows multiply int8 weights in the compiled kernel (when it builds), whatever the rest use."""
+        if int8_rows and cpu_ops.load() is not None:
+            self.int8_rows = cpu_ops.quantize_weight_int8(self.weight)
         if int8:
             self.int8_packed = int8_weight(self.weight)
-            if cpu_ops.load() is not None:
-                self.int8_rows = cpu_ops.quantize_weight_int8(self.weight)
         elif fp16:
             self.fp16_packed = fp16_weight(self.weight)
         pack = pack and not (int8 or fp16)
@@ -180,7 +188,9 @@ def pack_model_for_cpu(model: torch.nn.Module, int8: bool = False, fp16: bool = 
                 torch.float32, torch.bfloat16):
             is_float32 = module.weight.dtype == torch.float32
             layer_int8 = int8 and is_float32 and module.int8_inputs_ok
+            # steps of 1-2 rows: every layer in int8 through the compiled kernel, whose per-block input scales
+            # keep the outlier channels that rule the down projection out of torch's int8 GEMM from mattering
             pack_module(release=users[id(module.weight)] == 1, pack=pack, int8=layer_int8,
-                        fp16=is_float32 and (fp16 or int8) and not layer_int8)
+                        fp16=is_float32 and (fp16 or int8) and not layer_int8, int8_rows=int8 and is_float32)
             count += 1
     return count

@@ -115,16 +115,20 @@ def test_linear_i8_is_the_integer_product_of_its_quantized_inputs(rows, out_feat
                                                                   with_bias) -> None:
     torch.manual_seed(3)
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features) * 5
-    x[0, 7] = 40.0  # an outlier channel: its row's scale follows it, the other row's does not
+    x[0, 7] = 40.0  # an outlier channel: only its block's scale follows it
     bias = torch.randn(out_features) if with_bias else None
     packed = cpu_ops.quantize_weight_int8(weight)
     w_q, w_scale = packed
     assert w_q.dtype == torch.int8 and int(w_q.abs().max()) <= 127
     torch.testing.assert_close(w_q.float() * w_scale[:, None], weight, rtol=0, atol=float(w_scale.max()) / 2 + 1e-6)
-    # the reference: each row quantized with its own symmetric scale, products summed exactly (int64)
-    x_scale = x.abs().amax(dim=1) / 127
-    x_q = torch.round(x / x_scale[:, None]).clamp(-127, 127).long()
-    ref = (x_q @ w_q.long().t()).double() * x_scale[:, None].double() * w_scale[None, :].double()
+    # the reference: each block of 32 values of a row quantized with its own symmetric scale, the products of a
+    # block summed exactly (int64), then scaled
+    blocks = x.view(rows, -1, cpu_ops.QUANT_BLOCK)
+    x_scale = blocks.abs().amax(dim=2, keepdim=True) / 127
+    x_q = torch.round(blocks / x_scale).clamp(-127, 127).long()
+    w_blocks = w_q.long().view(out_features, -1, cpu_ops.QUANT_BLOCK)
+    partial = torch.einsum("rbk,obk->rbo", x_q, w_blocks).double()  # [rows, blocks, out]
+    ref = (partial * x_scale.double()).sum(dim=1) * w_scale[None, :].double()
     if bias is not None:
         ref += bias.double()
     out = cpu_ops.linear_i8(x, packed, bias)
