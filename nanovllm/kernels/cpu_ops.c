@@ -9,6 +9,85 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#include <immintrin.h>
+
+/* e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6 (relative error
+   ~2e-7), times 2^n built in the exponent bits. Below -87.3 it returns 0 (-inf included: the online
+   softmax's first rescale), above 88 it saturates at ~1.6e38. (glibc's vector expf needs -ffast-math,
+   which a library loaded into torch's process must not bring: it would flush denormals process-wide.) */
+static inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  /* 2^n: n + 127 in the exponent field; n = -127 (x <= -88) gives the bits of 0.0 */
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline float hsum_avx2(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_hadd_ps(sum, sum);
+  sum = _mm_hadd_ps(sum, sum);
+  return _mm_cvtss_f32(sum);
+}
+#endif
+
+/* sum a[i] * b[i] */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef HAVE_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  sum = hsum_avx2(acc);
+#endif
+  for (; i < n; i++) sum += a[i] * b[i];
+  return sum;
+}
+
+/* y = y * keep + p * x (the online softmax's rescale and accumulate in one pass) */
+static inline void scale_add_f32(float *y, float keep, float p, const float *x, int64_t n) {
+  int64_t i = 0;
+#ifdef HAVE_AVX2
+  const __m256 vk = _mm256_set1_ps(keep), vp = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + i), _mm256_mul_ps(vk, _mm256_loadu_ps(y + i))));
+#endif
+  for (; i < n; i++) y[i] = y[i] * keep + p * x[i];
+}
+
+/* s[i] = e^(s[i] - shift); returns their sum */
+static inline float exp_shifted_sum(float *s, float shift, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef HAVE_AVX2
+  const __m256 vs = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + i), vs));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum_avx2(acc);
+#endif
+  for (; i < n; i++) {
+    s[i] = expf(s[i] - shift);
+    sum += s[i];
+  }
+  return sum;
+}
+
 /* out = RMSNorm(x [+ residual]) * weight, row by row; with a residual, summed = x + residual too. */
 void add_rms_norm_f32(const float *x, const float *residual, float *summed, const float *weight, float *out,
                       int64_t rows, int64_t dim, float eps, int num_threads) {
@@ -36,8 +115,16 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t ha
   for (int64_t r = 0; r < rows; r++) {
     const float *g = gate_up + r * 2 * half, *u = g + half;
     float *o = out + r * half;
-#pragma omp simd
-    for (int64_t i = 0; i < half; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= half; i += 8) {
+      const __m256 vg = _mm256_loadu_ps(g + i);
+      const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), vg))));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(vg, sig), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < half; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
   }
 }
 
@@ -58,14 +145,77 @@ static void rope(const float *src, float *dst, const float *cos, const float *si
   }
 }
 
+/* One request's new token, KV heads [h0, h1): q/k norm, RoPE, K/V store, attention over its cached tokens. */
+static void decode_one(const float *row, const float *cos, const float *sin, const float *q_norm,
+                       const float *k_norm, float norm_eps, float *k_cache, float *v_cache, const int32_t *table,
+                       int64_t seq_len, int64_t slot, float *out, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t block_size, float scale, int64_t h0, int64_t h1) {
+  const int64_t group = num_heads / num_kv_heads, heads = (h1 - h0) * group; /* the query heads here */
+  const int64_t token_stride = num_kv_heads * head_dim;                      /* floats from token to token */
+  float q[heads * head_dim], acc[heads * head_dim], scores[heads * block_size];
+  float running_max[heads], running_sum[heads], rescale[heads];
+
+  for (int64_t h = h0; h < h1; h++) {
+    float k[head_dim];
+    memcpy(k, row + (num_heads + h) * head_dim, head_dim * sizeof(float));
+    if (k_norm) head_rms_norm(k, k_norm, head_dim, norm_eps);
+    if (slot >= 0) {
+      rope(k, k_cache + slot * token_stride + h * head_dim, cos, sin, head_dim);
+      memcpy(v_cache + slot * token_stride + h * head_dim, row + (num_heads + num_kv_heads + h) * head_dim,
+             head_dim * sizeof(float));
+    }
+  }
+  for (int64_t i = 0; i < heads; i++) {
+    float tmp[head_dim];
+    memcpy(tmp, row + (h0 * group + i) * head_dim, head_dim * sizeof(float));
+    if (q_norm) head_rms_norm(tmp, q_norm, head_dim, norm_eps);
+    rope(tmp, q + i * head_dim, cos, sin, head_dim);
+    for (int64_t d = 0; d < head_dim; d++) q[i * head_dim + d] *= scale;
+    running_max[i] = -INFINITY;
+    running_sum[i] = 0.0f;
+  }
+  memset(acc, 0, sizeof(acc));
+
+  /* block by block: scores of every query head here, then an online softmax (rescale what came before) */
+  for (int64_t start = 0; start < seq_len; start += block_size) {
+    const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+    const int64_t base = (int64_t)table[start / block_size] * block_size * token_stride;
+    for (int64_t j = 0; j < n; j++) {
+      const float *key = k_cache + base + j * token_stride;
+      for (int64_t i = 0; i < heads; i++)
+        scores[i * block_size + j] = dot_f32(q + i * head_dim, key + (h0 + i / group) * head_dim, head_dim);
+    }
+    for (int64_t i = 0; i < heads; i++) {
+      float *si = scores + i * block_size;
+      float block_max = running_max[i];
+      for (int64_t j = 0; j < n; j++) block_max = si[j] > block_max ? si[j] : block_max;
+      rescale[i] = expf(running_max[i] - block_max); /* 0 on the first block (the max was -inf) */
+      running_sum[i] = running_sum[i] * rescale[i] + exp_shifted_sum(si, block_max, n);
+      running_max[i] = block_max;
+    }
+    for (int64_t j = 0; j < n; j++) {
+      const float *value = v_cache + base + j * token_stride;
+      for (int64_t i = 0; i < heads; i++)
+        scale_add_f32(acc + i * head_dim, j == 0 ? rescale[i] : 1.0f, scores[i * block_size + j],
+                      value + (h0 + i / group) * head_dim, head_dim);
+    }
+  }
+  for (int64_t i = 0; i < heads; i++) {
+    float *o = out + (h0 * group + i) * head_dim;
+    const float inv = running_sum[i] > 0.0f ? 1.0f / running_sum[i] : 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) o[d] = acc[i * head_dim + d] * inv;
+  }
+}
+
 /* One decode step's attention straight from the fused qkv projection, for requests of one new token each.
 
-   qkv: [num_seqs, qkv_stride], each row [q heads | k heads | v heads] x head_dim. For request r and KV head h
-   (one task each): optional per-head RMSNorm of q and k (q_norm / k_norm weights, NULL when the model has
-   none), RoPE at positions[r], the new k and v stored at slot_mapping[r] (skipped when < 0), then attention of
-   the group's query heads over the request's seq_lens[r] tokens, read in place from the paged cache
-   ([num_blocks, block_size, num_kv_heads, head_dim]) block by block with an online softmax.
-   out: [num_seqs, num_heads, head_dim]; a request of seq_len 0 gets zeros. */
+   qkv: [num_seqs, qkv_stride], each row [q heads | k heads | v heads] x head_dim. For each request: optional
+   per-head RMSNorm of q and k (q_norm / k_norm weights, NULL when the model has none), RoPE at positions[r],
+   the new k and v stored at slot_mapping[r] (skipped when < 0), then attention of its query heads over its
+   seq_lens[r] tokens, read in place from the paged cache ([num_blocks, block_size, num_kv_heads, head_dim])
+   block by block with an online softmax. out: [num_seqs, num_heads, head_dim]; seq_len 0 gives zeros.
+   A task is a whole request (its tokens' K/V rows are read front to back, which the prefetcher follows) when
+   there are enough requests to share out, else one KV head of one. */
 void rope_store_decode_attention_f32(const float *qkv, int64_t qkv_stride, const int64_t *positions,
                                      const float *cos_table, const float *sin_table, const float *q_norm,
                                      const float *k_norm, float norm_eps, float *k_cache, float *v_cache,
@@ -73,82 +223,15 @@ void rope_store_decode_attention_f32(const float *qkv, int64_t qkv_stride, const
                                      const int64_t *slot_mapping, float *out, int64_t num_seqs,
                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                      int64_t block_size, float scale, int num_threads) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim; /* floats between consecutive tokens of a head */
+  const int64_t heads_per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-  for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
-    const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
-    const float *row = qkv + r * qkv_stride;
-    const float *cos = cos_table + positions[r] * head_dim, *sin = sin_table + positions[r] * head_dim;
-    float q[group * head_dim], k[head_dim], acc[group * head_dim];
-    float scores[group * block_size], running_max[group], running_sum[group];
-
-    memcpy(k, row + (num_heads + h) * head_dim, head_dim * sizeof(float));
-    if (k_norm) head_rms_norm(k, k_norm, head_dim, norm_eps);
-    const int64_t slot = slot_mapping[r];
-    if (slot >= 0) {
-      float *k_dst = k_cache + slot * token_stride + h * head_dim;
-      rope(k, k_dst, cos, sin, head_dim);
-      memcpy(v_cache + slot * token_stride + h * head_dim, row + (num_heads + num_kv_heads + h) * head_dim,
-             head_dim * sizeof(float));
-    }
-    for (int64_t g = 0; g < group; g++) {
-      float tmp[head_dim];
-      memcpy(tmp, row + (h * group + g) * head_dim, head_dim * sizeof(float));
-      if (q_norm) head_rms_norm(tmp, q_norm, head_dim, norm_eps);
-      rope(tmp, q + g * head_dim, cos, sin, head_dim);
-      for (int64_t i = 0; i < head_dim; i++) q[g * head_dim + i] *= scale;
-      running_max[g] = -INFINITY;
-      running_sum[g] = 0.0f;
-    }
-    memset(acc, 0, sizeof(acc));
-
-    const int64_t seq_len = seq_lens[r];
-    const int32_t *table = block_tables + r * table_stride;
-    for (int64_t start = 0; start < seq_len; start += block_size) {
-      const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-      const int64_t base = (int64_t)table[start / block_size] * block_size * token_stride + h * head_dim;
-      const float *keys = k_cache + base, *values = v_cache + base;
-      for (int64_t j = 0; j < n; j++) {
-        const float *key = keys + j * token_stride;
-        for (int64_t g = 0; g < group; g++) {
-          const float *qg = q + g * head_dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < head_dim; i++) dot += qg[i] * key[i];
-          scores[g * block_size + j] = dot;
-        }
-      }
-      for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * block_size;
-        float block_max = running_max[g];
-        for (int64_t j = 0; j < n; j++) block_max = s[j] > block_max ? s[j] : block_max;
-        const float rescale = expf(running_max[g] - block_max); /* 0 on the first block (max was -inf) */
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-          s[j] = expf(s[j] - block_max);
-          sum += s[j];
-        }
-        running_sum[g] = running_sum[g] * rescale + sum;
-        running_max[g] = block_max;
-        float *a = acc + g * head_dim;
-        for (int64_t i = 0; i < head_dim; i++) a[i] *= rescale;
-      }
-      for (int64_t j = 0; j < n; j++) {
-        const float *value = values + j * token_stride;
-        for (int64_t g = 0; g < group; g++) {
-          const float p = scores[g * block_size + j];
-          float *a = acc + g * head_dim;
-#pragma omp simd
-          for (int64_t i = 0; i < head_dim; i++) a[i] += p * value[i];
-        }
-      }
-    }
-    for (int64_t g = 0; g < group; g++) {
-      float *o = out + (r * num_heads + h * group + g) * head_dim;
-      const float inv = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;
-      for (int64_t i = 0; i < head_dim; i++) o[i] = acc[g * head_dim + i] * inv;
-    }
+  for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
+    const int64_t r = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;
+    decode_one(qkv + r * qkv_stride, cos_table + positions[r] * head_dim, sin_table + positions[r] * head_dim,
+               q_norm, k_norm, norm_eps, k_cache, v_cache, block_tables + r * table_stride, seq_lens[r],
+               slot_mapping[r], out + r * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size,
+               scale, h0, h0 + heads_per_task);
   }
 }
 
@@ -161,8 +244,7 @@ void rope_store_decode_attention_f32(const float *qkv, int64_t qkv_stride, const
    which also quantizes per tensor). in_features must be a multiple of 32. */
 #define QBLOCK 32
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#ifdef HAVE_AVX2
 /* sum_b scale[b] * sum_i a[i] * b[i] over n int8s in blocks of 32 (a, b within [-127, 127]). maddubs
    multiplies an unsigned by a signed byte: |a| times b with a's sign cannot saturate its pair sums (2 * 127^2). */
 static inline float dot_i8(const int8_t *a, const float *a_scale, const int8_t *b, int64_t n) {
@@ -175,10 +257,7 @@ static inline float dot_i8(const int8_t *a, const float *a_scale, const int8_t *
     const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
     acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(a_scale[i / QBLOCK]), acc);
   }
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  sum = _mm_hadd_ps(sum, sum);
-  sum = _mm_hadd_ps(sum, sum);
-  return _mm_cvtss_f32(sum);
+  return hsum_avx2(acc);
 }
 #else
 static inline float dot_i8(const int8_t *a, const float *a_scale, const int8_t *b, int64_t n) {

@@ -45,11 +45,13 @@ def test_silu_and_mul_matches_torch(rows, half) -> None:
 CASES = [(9, 3, 64, 256, False), (4, 4, 32, 16, False), (8, 1, 128, 16, True), (6, 2, 16, 4, True)]
 
 
+@pytest.mark.parametrize("copies", [1, 4])  # 5 requests: a task per KV head; 20: a task per request
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,qk_norm", CASES)
 def test_rope_store_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
-                                                       qk_norm) -> None:
+                                                       qk_norm, copies) -> None:
     torch.manual_seed(2)
-    seq_lens = [1, block_size, block_size + 1, 3 * block_size + 5, 40]  # one token, block boundaries, ragged
+    # one token, block boundaries, ragged
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size + 5, 40] * copies
     num_seqs, max_blocks = len(seq_lens), max(-(-n // block_size) for n in seq_lens) + 1
     num_blocks = num_seqs * max_blocks + 3
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
