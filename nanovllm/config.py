@@ -49,6 +49,9 @@ class EngineConfig:
     cpu_int8: bool = False
     # CPU, float32 models: float16 weights (fbgemm) for every linear layer and the LM head (layers/cpu.py)
     cpu_fp16: bool = False
+    # the KV cache's dtype: auto = the model's; on the CPU also float16 or bfloat16 under a float32 model (half
+    # the bytes a token: twice the tokens in the same pool); on CUDA only the model's dtype
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -68,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_cache_dtype!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
         if self.device is None:
@@ -86,6 +91,9 @@ class EngineConfig:
             if getattr(self, flag) and (self.is_cuda or self.torch_dtype != torch.float32):
                 warnings.warn(f"{flag} applies to float32 models on the CPU only; ignored here (device "
                               f"{self.device!r}, dtype {self.torch_dtype})", stacklevel=3)
+        if self.is_cuda and self.kv_torch_dtype != self.torch_dtype:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} differs from the model's dtype "
+                             f"({self.torch_dtype}): on CUDA the KV cache takes the model's dtype ('auto').")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
             if not os.path.exists(self.model):
@@ -112,6 +120,10 @@ class EngineConfig:
             from nanovllm.layers.cpu import default_cpu_dtype
             return torch.bfloat16 if self.is_cuda else default_cpu_dtype()
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
 
 def model_max_len(hf_config) -> int:

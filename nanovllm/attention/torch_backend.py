@@ -136,11 +136,12 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     else:
         keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
         values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
-    keys = keys.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = values.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2)
+    # a lower-precision cache (kv_cache_dtype) is read back in the activations' dtype
+    keys = keys.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    values = values.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     # the query heads of one KV head are that head's "query tokens": GQA without repeating K/V
     group = num_heads // num_kv_heads
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.valid, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)  # a fully masked row (seq_len 0) gives 0
 
@@ -165,8 +166,9 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
             values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
             mask = positions[None, :] <= positions[context_len:, None]  # [query_len, seq_len]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a lower-precision cache: read back in q's dtype
         o = F.scaled_dot_product_attention(
-            q[start:end].to(keys.dtype).transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
         start = end
@@ -205,11 +207,13 @@ class TorchAttentionBackend:
         return self._plan
 
     @staticmethod
-    def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None) -> bool:
-        """A CPU step of decodes only, in float32, with the compiled ops (kernels/cpu_ops.py): then forward_qkv
-        runs the layer's q/k norm, RoPE, KV store and attention as one call."""
-        return (meta is not None and meta.num_prefills == 0 and rotary.cos.shape[-1] == head_dim
-                and cpu_ops.usable(k_cache, rotary.cos))
+    def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None,
+                  qkv: torch.Tensor | None = None) -> bool:
+        """A CPU step of decodes only, float32 activations, a float32 or float16 cache, with the compiled ops
+        (kernels/cpu_ops.py): then forward_qkv runs the layer's q/k norm, RoPE, KV store and attention as one
+        call."""
+        return (meta is not None and meta.num_prefills == 0 and qkv is not None and rotary.cos.shape[-1] == head_dim
+                and cpu_ops.usable(qkv, rotary.cos) and cpu_ops.kv_cache_usable(k_cache))
 
     @staticmethod
     def forward_qkv(qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,

@@ -37,7 +37,8 @@ class TritonAttentionBackend:
         return self._attend(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
-    def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None) -> bool:
+    def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None,
+                  qkv: torch.Tensor | None = None) -> bool:
         """The fused kernel's conditions: float32 RoPE tables over the whole head, a power-of-two head_dim."""
         return (rotary.cos.dtype == torch.float32 and rotary.cos.shape[-1] == head_dim
                 and head_dim & (head_dim - 1) == 0)

@@ -96,7 +96,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         layer = self.model.attention_layers()[0]
         per_token = 2 * len(self.model.attention_layers()) * layer.num_kv_heads * layer.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
+        return per_token * self.block_size * self.config.kv_torch_dtype.itemsize
 
     def _decide_num_blocks(self) -> int:
         config = self.config
@@ -164,7 +164,7 @@ class ModelRunner:
         head = layers[0]
         # [k/v, layer, block, offset, kv_head, head_dim]
         self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, head.num_kv_heads, head.head_dim,
-                                    dtype=self.dtype, device=self.device)
+                                    dtype=self.config.kv_torch_dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.bind(self.kv_cache[0, i], self.kv_cache[1, i], self.backend)
 

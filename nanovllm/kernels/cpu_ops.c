@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_AVX2 1
 #include <immintrin.h>
 
@@ -88,10 +88,63 @@ static inline float exp_shifted_sum(float *s, float shift, int64_t n) {
   return sum;
 }
 
+/* A KV cache of float16 (kv_f16) or float32 values: the rows the attention reads and writes, as float32. */
+int kv_f16_supported(void) {
+#ifdef HAVE_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+static inline float dot_kv(const float *q, const void *key, int64_t n, int kv_f16) {
+#ifdef HAVE_AVX2
+  if (kv_f16) {
+    const uint16_t *k = (const uint16_t *)key;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), acc);
+    float sum = hsum_avx2(acc);
+    for (; i < n; i++) sum += q[i] * _cvtsh_ss(k[i]);
+    return sum;
+  }
+#endif
+  return dot_f32(q, (const float *)key, n);
+}
+
+static inline void scale_add_kv(float *y, float keep, float p, const void *value, int64_t n, int kv_f16) {
+#ifdef HAVE_AVX2
+  if (kv_f16) {
+    const uint16_t *v = (const uint16_t *)value;
+    const __m256 vk = _mm256_set1_ps(keep), vp = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + i)));
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vp, x, _mm256_mul_ps(vk, _mm256_loadu_ps(y + i))));
+    }
+    for (; i < n; i++) y[i] = y[i] * keep + p * _cvtsh_ss(v[i]);
+    return;
+  }
+#endif
+  scale_add_f32(y, keep, p, (const float *)value, n);
+}
+
+static inline void store_kv(void *dst, const float *src, int64_t n, int kv_f16) {
+#ifdef HAVE_AVX2
+  if (kv_f16) {
+    uint16_t *d = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+    return;
+  }
+#endif
+  memcpy(dst, src, n * sizeof(float));
+}
+
 /* out = RMSNorm(x [+ residual]) * weight, row by row; with a residual, summed = x + residual too. */
 void add_rms_norm_f32(const float *x, const float *residual, float *summed, const float *weight, float *out,
                       int64_t rows, int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= 65536)
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= 16384)
   for (int64_t r = 0; r < rows; r++) {
     const float *xr = x + r * dim;
     float *src = (float *)xr;
@@ -147,9 +200,11 @@ static void rope(const float *src, float *dst, const float *cos, const float *si
 
 /* One request's new token, KV heads [h0, h1): q/k norm, RoPE, K/V store, attention over its cached tokens. */
 static void decode_one(const float *row, const float *cos, const float *sin, const float *q_norm,
-                       const float *k_norm, float norm_eps, float *k_cache, float *v_cache, const int32_t *table,
-                       int64_t seq_len, int64_t slot, float *out, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t block_size, float scale, int64_t h0, int64_t h1) {
+                       const float *k_norm, float norm_eps, char *k_cache, char *v_cache, int kv_f16,
+                       const int32_t *table, int64_t seq_len, int64_t slot, float *out, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t h0,
+                       int64_t h1) {
+  const int64_t elem = kv_f16 ? 2 : 4; /* bytes of one cached value */
   const int64_t group = num_heads / num_kv_heads, heads = (h1 - h0) * group; /* the query heads here */
   const int64_t token_stride = num_kv_heads * head_dim;                      /* floats from token to token */
   float q[heads * head_dim], acc[heads * head_dim], scores[heads * block_size];
@@ -160,9 +215,11 @@ static void decode_one(const float *row, const float *cos, const float *sin, con
     memcpy(k, row + (num_heads + h) * head_dim, head_dim * sizeof(float));
     if (k_norm) head_rms_norm(k, k_norm, head_dim, norm_eps);
     if (slot >= 0) {
-      rope(k, k_cache + slot * token_stride + h * head_dim, cos, sin, head_dim);
-      memcpy(v_cache + slot * token_stride + h * head_dim, row + (num_heads + num_kv_heads + h) * head_dim,
-             head_dim * sizeof(float));
+      float rotated[head_dim];
+      rope(k, rotated, cos, sin, head_dim);
+      store_kv(k_cache + (slot * token_stride + h * head_dim) * elem, rotated, head_dim, kv_f16);
+      store_kv(v_cache + (slot * token_stride + h * head_dim) * elem, row + (num_heads + num_kv_heads + h) * head_dim,
+               head_dim, kv_f16);
     }
   }
   for (int64_t i = 0; i < heads; i++) {
@@ -181,9 +238,10 @@ static void decode_one(const float *row, const float *cos, const float *sin, con
     const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
     const int64_t base = (int64_t)table[start / block_size] * block_size * token_stride;
     for (int64_t j = 0; j < n; j++) {
-      const float *key = k_cache + base + j * token_stride;
+      const char *key = k_cache + (base + j * token_stride) * elem;
       for (int64_t i = 0; i < heads; i++)
-        scores[i * block_size + j] = dot_f32(q + i * head_dim, key + (h0 + i / group) * head_dim, head_dim);
+        scores[i * block_size + j] =
+            dot_kv(q + i * head_dim, key + (h0 + i / group) * head_dim * elem, head_dim, kv_f16);
     }
     for (int64_t i = 0; i < heads; i++) {
       float *si = scores + i * block_size;
@@ -194,10 +252,10 @@ static void decode_one(const float *row, const float *cos, const float *sin, con
       running_max[i] = block_max;
     }
     for (int64_t j = 0; j < n; j++) {
-      const float *value = v_cache + base + j * token_stride;
+      const char *value = v_cache + (base + j * token_stride) * elem;
       for (int64_t i = 0; i < heads; i++)
-        scale_add_f32(acc + i * head_dim, j == 0 ? rescale[i] : 1.0f, scores[i * block_size + j],
-                      value + (h0 + i / group) * head_dim, head_dim);
+        scale_add_kv(acc + i * head_dim, j == 0 ? rescale[i] : 1.0f, scores[i * block_size + j],
+                     value + (h0 + i / group) * head_dim * elem, head_dim, kv_f16);
     }
   }
   for (int64_t i = 0; i < heads; i++) {
@@ -214,12 +272,14 @@ static void decode_one(const float *row, const float *cos, const float *sin, con
    the new k and v stored at slot_mapping[r] (skipped when < 0), then attention of its query heads over its
    seq_lens[r] tokens, read in place from the paged cache ([num_blocks, block_size, num_kv_heads, head_dim])
    block by block with an online softmax. out: [num_seqs, num_heads, head_dim]; seq_len 0 gives zeros.
+   The cache holds float32 values, or float16 with kv_f16 (when kv_f16_supported()).
    A task is a whole request (its tokens' K/V rows are read front to back, which the prefetcher follows) when
    there are enough requests to share out, else one KV head of one. */
 void rope_store_decode_attention_f32(const float *qkv, int64_t qkv_stride, const int64_t *positions,
                                      const float *cos_table, const float *sin_table, const float *q_norm,
-                                     const float *k_norm, float norm_eps, float *k_cache, float *v_cache,
-                                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                                     const float *k_norm, float norm_eps, void *k_cache, void *v_cache,
+                                     int kv_f16, const int32_t *block_tables, int64_t table_stride,
+                                     const int32_t *seq_lens,
                                      const int64_t *slot_mapping, float *out, int64_t num_seqs,
                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                      int64_t block_size, float scale, int num_threads) {
@@ -229,7 +289,8 @@ void rope_store_decode_attention_f32(const float *qkv, int64_t qkv_stride, const
   for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
     const int64_t r = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;
     decode_one(qkv + r * qkv_stride, cos_table + positions[r] * head_dim, sin_table + positions[r] * head_dim,
-               q_norm, k_norm, norm_eps, k_cache, v_cache, block_tables + r * table_stride, seq_lens[r],
+               q_norm, k_norm, norm_eps, (char *)k_cache, (char *)v_cache, kv_f16, block_tables + r * table_stride,
+               seq_lens[r],
                slot_mapping[r], out + r * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size,
                scale, h0, h0 + heads_per_task);
   }

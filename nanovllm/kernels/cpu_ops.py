@@ -34,8 +34,8 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 SIGNATURES = {
     "add_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _F, _I32],
     "silu_and_mul_f32": [_P, _P, _I64, _I64, _I32],
-    "rope_store_decode_attention_f32": [_P, _I64, _P, _P, _P, _P, _P, _F, _P, _P, _P, _I64, _P, _P, _P, _I64,
-                                        _I64, _I64, _I64, _I64, _F, _I32],
+    "rope_store_decode_attention_f32": [_P, _I64, _P, _P, _P, _P, _P, _F, _P, _P, _I32, _P, _I64, _P, _P, _P,
+                                        _I64, _I64, _I64, _I64, _I64, _F, _I32],
     "linear_i8_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
 }
 
@@ -91,12 +91,21 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, None
+    lib.kv_f16_supported.argtypes, lib.kv_f16_supported.restype = [], ctypes.c_int
     return lib
 
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the ops apply: the library loads and every tensor is a float32 CPU tensor."""
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and load() is not None
+
+
+def kv_cache_usable(k_cache: torch.Tensor) -> bool:
+    """Whether rope_store_decode_attention takes this KV cache: float32, or float16 where the build can."""
+    if k_cache.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.float16):
+        return False
+    lib = load()
+    return lib is not None and (k_cache.dtype == torch.float32 or bool(lib.kv_f16_supported()))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -140,7 +149,8 @@ def rope_store_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
     out = qkv.new_empty(num_seqs, num_heads, head_dim)
     load().rope_store_decode_attention_f32(
         qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), _ptr(q_norm),
-        _ptr(k_norm), norm_eps, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        _ptr(k_norm), norm_eps, k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float16),
+        block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), slot_mapping.data_ptr(), out.data_ptr(), num_seqs, num_heads,
         num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
     return out

@@ -19,11 +19,11 @@ class Attention(nn.Module):
         """Give this layer its KV cache views ([num_blocks, block_size, num_kv_heads, head_dim]) and backend."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
 
-    def fuses_qkv(self, rotary) -> bool:
-        """Whether forward_qkv can run (this step, inside a forward): the backend has a fused kernel for it and
-        the RoPE tables suit it."""
+    def fuses_qkv(self, rotary, qkv: torch.Tensor | None = None) -> bool:
+        """Whether forward_qkv can run (on this qkv, this step, inside a forward): the backend has a fused kernel
+        for it and the RoPE tables suit it."""
         fuses = getattr(self.backend, "fuses_qkv", None)
-        return fuses is not None and fuses(rotary, self.head_dim, self.k_cache, peek_forward_context())
+        return fuses is not None and fuses(rotary, self.head_dim, self.k_cache, peek_forward_context(), qkv)
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm) -> torch.Tensor:
         """Attention straight from the fused qkv projection [num_tokens, (heads + 2 kv heads) * head_dim]: the

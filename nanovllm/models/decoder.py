@@ -54,7 +54,7 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if self.attn.fuses_qkv(self.rotary):
+        if self.attn.fuses_qkv(self.rotary, qkv):
             # one kernel for q/k norm, RoPE and the KV store
             out = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm)
             return self.o_proj(out.flatten(1, -1))

@@ -55,3 +55,36 @@ def test_cpu_int8_takes_the_int8_kernel_for_one_or_two_rows(tmp_path, op_calls):
     llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)
     assert "linear_i8" not in op_calls  # three rows: torch's int8 GEMM
     assert len(alone) == 4 and all(0 <= t < 384 for t in alone)
+
+
+def test_a_float16_kv_cache_gives_the_torch_paths_tokens(tmp_path, op_calls):
+    """kv_cache_dtype=float16: the compiled decode reads and writes the float16 cache as the torch ops do."""
+    from nanovllm import LLM, SamplingParams
+
+    path = save_tiny_model("qwen3", tmp_path / "qwen3")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (2, 11, 25)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64, kv_cache_dtype="float16")
+    assert llm.runner.kv_cache.dtype == torch.float16
+    compiled = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert op_calls["rope_store_decode_attention"]
+    op_calls.clear()
+    original = cpu_ops.kv_cache_usable
+    try:
+        cpu_ops.kv_cache_usable = lambda k_cache: False  # the torch ops on the same cache
+        fallback = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        cpu_ops.kv_cache_usable = original
+    assert "rope_store_decode_attention" not in op_calls
+    assert compiled == fallback
+
+
+def test_kv_cache_dtype_defaults_and_errors():
+    from nanovllm.config import EngineConfig
+
+    assert EngineConfig(device="cpu", dtype="float32").kv_torch_dtype == torch.float32
+    assert EngineConfig(device="cpu", dtype="float32", cpu_int8=True).kv_torch_dtype == torch.float32
+    assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="float16").kv_torch_dtype == torch.float16
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
+        EngineConfig(device="cpu", kv_cache_dtype="fp8")
