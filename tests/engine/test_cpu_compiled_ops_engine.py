@@ -88,3 +88,38 @@ def test_kv_cache_dtype_defaults_and_errors():
     assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="float16").kv_torch_dtype == torch.float16
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
         EngineConfig(device="cpu", kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_without_the_compiled_ops_the_torch_ops_give_hf_tokens(family, tmp_path, monkeypatch, op_calls):
+    """A machine with no C compiler (or NANOVLLM_CPU_KERNELS=0) runs the same steps as torch ops."""
+    from nanovllm import LLM, SamplingParams
+
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    path = save_tiny_model(family, tmp_path / family)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 9, 30)]
+    reference, _ = hf_greedy(path, prompts, 6)
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == reference
+    assert not op_calls
+
+
+def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path))
+    cpu_ops.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert cpu_ops.load() is None
+        assert "building the CPU decode ops failed" in caplog.text
+        assert not cpu_ops.usable(torch.zeros(1))
+        assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
+    finally:
+        cpu_ops.load.cache_clear()
+    monkeypatch.setenv("NANOVLLM_CPU_KERNELS", "0")
+    try:
+        assert cpu_ops.load() is None
+    finally:
+        cpu_ops.load.cache_clear()
