@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -53,9 +54,21 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def _cpu_identity() -> str:
+    """What -march=native compiles for: a library built on one CPU may use instructions another lacks (a cache
+    directory shared between machines, e.g. a network home), so the CPU's flags are part of the cache key."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
 def build(compiler: str) -> Path:
-    """Compile cpu_ops.c (unless this source and these flags were compiled before); returns the library."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    """Compile cpu_ops.c (unless this source, these flags and this CPU were compiled for before); returns the
+    library."""
+    identity = " ".join([compiler, *FLAGS, _cpu_identity()])
+    key = hashlib.sha256(SOURCE.read_bytes() + identity.encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_ops-{key}.so"
     if target.exists():
         return target
