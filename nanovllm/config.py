@@ -26,7 +26,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    kvcache_block_size: int = 256
+    # tokens per KV block; None: 256 on CUDA (the decode kernel's tiles), 16 on the CPU (prefix caching shares
+    # whole blocks: a chat template's system prompt of ~20-30 tokens fills one 16-token block, none of 256)
+    kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None  # explicit pool size; else from memory (below)
     kv_cache_memory_bytes: int | None = None  # pool size in bytes; default 2 GiB on the CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (CUDA only)
@@ -61,6 +63,10 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = 256 if str(self.device).startswith("cuda") else 16
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             positive(name)
         for name in ("max_model_len", "num_kvcache_blocks", "kv_cache_memory_bytes"):
@@ -75,8 +81,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_cache_dtype!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -13,7 +13,7 @@ HELP = {
     "max_model_len": "longest prompt + completion in tokens (default: the model's limit)",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one engine step (longer prompts are prefilled in chunks)",
-    "kvcache_block_size": "tokens per KV-cache block (a power of two)",
+    "kvcache_block_size": "tokens per KV-cache block (a power of two; default 256 on CUDA, 16 on the CPU)",
     "num_kvcache_blocks": "KV-cache pool size in blocks (default: from memory)",
     "kv_cache_memory_bytes": "KV-cache pool size in bytes (default on the CPU: 2 GiB)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
