@@ -66,7 +66,7 @@ class EngineConfig:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.kvcache_block_size is None:
-            self.kvcache_block_size = 256 if str(self.device).startswith("cuda") else 16
+            self.kvcache_block_size = 256 if self.is_cuda else 16
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             positive(name)
         for name in ("max_model_len", "num_kvcache_blocks", "kv_cache_memory_bytes"):

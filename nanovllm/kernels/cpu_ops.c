@@ -196,12 +196,12 @@ void add_rms_norm_f32(const float *x, const float *residual, float *summed, cons
                       int64_t rows, int64_t dim, float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= 16384)
   for (int64_t r = 0; r < rows; r++) {
-    const float *xr = x + r * dim;
-    float *src = (float *)xr;
+    const float *xr = x + r * dim, *src = xr;
     if (residual) {
       const float *rr = residual + r * dim;
-      src = summed + r * dim;
-      for (int64_t i = 0; i < dim; i++) src[i] = xr[i] + rr[i];
+      float *sum = summed + r * dim;
+      for (int64_t i = 0; i < dim; i++) sum[i] = xr[i] + rr[i];
+      src = sum;
     }
     double sum_sq = 0.0;
 #pragma omp simd reduction(+ : sum_sq)

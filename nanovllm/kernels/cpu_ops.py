@@ -3,7 +3,8 @@
 A decode step of one request on a small CPU spends as long in ~30 small torch ops per layer (RMSNorm of one
 row ~30 us, SDPA ~90 us, each add or copy 3-5 us) as in its matmuls; cpu_ops.c does the same work in three
 calls a layer: residual add + RMSNorm, SiLU-and-mul, and RoPE + KV store + decode attention over the paged
-cache (read in place). The library is compiled once per source and machine (``-march=native``, OpenMP) into
+cache (read in place); and under cpu_int8 an int8 matrix-vector product for steps of one or two rows. The
+library is compiled once per source and machine (``-march=native``, OpenMP) into
 ``$NANOVLLM_CACHE_DIR`` (default ~/.cache/nanovllm) and loaded after torch, so its OpenMP loops run on the
 libgomp torch already loaded: the same worker threads, no contention.
 
@@ -105,6 +106,7 @@ def load() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, None
     lib.kv_f16_supported.argtypes, lib.kv_f16_supported.restype = [], ctypes.c_int
+    lib.kv_f16 = bool(lib.kv_f16_supported())  # asked once: kv_cache_usable runs every layer of every step
     return lib
 
 
@@ -118,7 +120,7 @@ def kv_cache_usable(k_cache: torch.Tensor) -> bool:
     if k_cache.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.float16):
         return False
     lib = load()
-    return lib is not None and (k_cache.dtype == torch.float32 or bool(lib.kv_f16_supported()))
+    return lib is not None and (k_cache.dtype == torch.float32 or lib.kv_f16)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -153,8 +155,9 @@ def rope_store_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
 
     qkv: [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] float32, rows contiguous; positions,
     slot_mapping: [num_seqs] int64; cos, sin: [max_position, head_dim] float32; k_cache, v_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim] float32; block_tables: [num_seqs, max_blocks] int32; seq_lens:
-    [num_seqs] int32 (including the new token). Returns [num_seqs, num_heads, head_dim].
+    block_size, num_kv_heads, head_dim] float32, or float16 where kv_cache_usable says so (stored rounded, read
+    back as float32); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (including the new
+    token). Returns [num_seqs, num_heads, head_dim].
     """
     num_seqs = qkv.shape[0]
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]

@@ -125,8 +125,8 @@ class CpuPackedMatmul:
 
     packed_weight: torch.Tensor | None = None
     int8_packed: torch.Tensor | None = None
-    # (int8 weight, scales) for steps of a few rows (kernels/cpu_ops.py: per-row activation scales, and
-    # ~1.7x faster than torch's int8 linear at one row); None without the compiled ops
+    # (int8 weight, scales) for steps of 1-2 rows (kernels/cpu_ops.py: activation scales per block of 32, and
+    # 1.2-2x faster than torch's int8 linear at one row); None without the compiled ops
     int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     fp16_packed: torch.Tensor | None = None
     # whether this layer's inputs survive one int8 scale per step (a layer whose inputs have outlier channels,
