@@ -114,3 +114,18 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog)
         assert cpu_ops.load() is None
     finally:
         cpu_ops.load.cache_clear()
+
+
+def test_the_cpu_block_size_lets_a_chat_system_prompt_hit_the_prefix_cache(tmp_path):
+    """CPU default of 16 tokens a block (256 on CUDA): two prompts sharing a 20-token prefix share a block."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.config import EngineConfig
+
+    assert EngineConfig(device="cpu").kvcache_block_size == 16
+    assert EngineConfig(device="cpu", kvcache_block_size=64).kvcache_block_size == 64
+    llm = LLM(save_tiny_model("llama", tmp_path / "llama"), num_kvcache_blocks=64, max_model_len=128)
+    prefix = list(range(3, 23))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prefix + [30, 31]], params, use_tqdm=False)
+    second = llm.generate([prefix + [40, 41, 42]], params, use_tqdm=False)[0]
+    assert second["num_cached_tokens"] == 16
