@@ -182,6 +182,17 @@ def store_kvcache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of a step: its request (row of the block tables) and how many tokens it attends to (causal:
+    its position + 1), both [num_tokens] int32, as the compiled CPU attention reads them."""
+    seqs: list[int] = []
+    lens: list[int] = []
+    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        seqs += [i] * query_len
+        lens += range(seq_len - query_len + 1, seq_len + 1)
+    return torch.tensor(seqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
 @dataclass
 class _StepPlan:
     meta: AttentionMetadata  # the step it belongs to (every layer of a step gets the same object)
@@ -196,6 +207,7 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None  # what the CPU path derives once per step
+        self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None  # the compiled path's
 
     def _step_plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
         if self._plan is None or self._plan.meta is not meta:
@@ -209,21 +221,26 @@ class TorchAttentionBackend:
     @staticmethod
     def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None,
                   qkv: torch.Tensor | None = None) -> bool:
-        """A CPU step of decodes only, float32 activations, a float32 or float16 cache, with the compiled ops
+        """A CPU step of float32 activations and a float32 or float16 cache, with the compiled ops
         (kernels/cpu_ops.py): then forward_qkv runs the layer's q/k norm, RoPE, KV store and attention as one
-        call."""
-        return (meta is not None and meta.num_prefills == 0 and qkv is not None and rotary.cos.shape[-1] == head_dim
+        call, decodes and prefill chunks alike."""
+        return (meta is not None and qkv is not None and rotary.cos.shape[-1] == head_dim
                 and cpu_ops.usable(qkv, rotary.cos) and cpu_ops.kv_cache_usable(k_cache))
 
-    @staticmethod
-    def forward_qkv(qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
                     num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-        """The CPU's fused decode step (see fuses_qkv): qkv [num_seqs, (heads + 2 kv heads) * head_dim]."""
-        return cpu_ops.rope_store_decode_attention(
+        """The CPU's fused attention (see fuses_qkv): qkv [num_tokens, (heads + 2 kv heads) * head_dim]."""
+        if meta.num_prefills:  # token_rows once per step, for every layer
+            if self._rows is None or self._rows[0] is not meta:
+                self._rows = (meta, *token_rows(meta))
+            _, row_seq, attend_lens = self._rows
+        else:  # a decode step: row r is request r, and attends to its whole sequence
+            row_seq, attend_lens = None, meta.seq_lens
+        return cpu_ops.rope_store_attention(
             qkv, positions, rotary.cos, rotary.sin, None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps, k_cache, v_cache,
-            meta.block_tables, meta.seq_lens, meta.slot_mapping, num_heads, num_kv_heads, scale)
+            meta.block_tables, attend_lens, meta.slot_mapping, num_heads, num_kv_heads, scale, row_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-/* The CPU's fused decode ops: float32, compiled on first use by nanovllm/kernels/cpu_ops.py.
+/* The CPU's fused ops: float32, compiled on first use by nanovllm/kernels/cpu_ops.py.
 
    Why C: on a small CPU a decode step of one request runs ~30 small torch ops per layer at 3-90 us each
    (dispatch, allocation, and thread wake-ups for tensors of a few hundred floats), as long as its matmuls.
@@ -158,26 +158,68 @@ static inline void dot4_kv(const float *q, const char *key, int64_t stride, int6
   for (int t = 0; t < 4; t++) out[t] = dot_kv(q, key + t * stride, n, kv_f16);
 }
 
-/* y = y * keep + sum_t p[t] * value_t for the four rows value + t * stride (bytes) */
-static inline void scale_add4_kv(float *y, float keep, const float *p, const char *value, int64_t stride, int64_t n,
-                                 int kv_f16) {
+/* scores[t] = q . key_t for the n rows key + t * stride (bytes), four keys at a time */
+static inline void block_scores(const float *q, const char *key, int64_t stride, int64_t n, int64_t head_dim,
+                                int kv_f16, float *scores) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) dot4_kv(q, key + t * stride, stride, head_dim, kv_f16, scores + t);
+  for (; t < n; t++) scores[t] = dot_kv(q, key + t * stride, head_dim, kv_f16);
+}
+
 #ifdef HAVE_AVX2
-  if (n % 8 == 0) {
-    const __m256 vk = _mm256_set1_ps(keep), p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]);
-    const __m256 p2 = _mm256_set1_ps(p[2]), p3 = _mm256_set1_ps(p[3]);
-    for (int64_t i = 0; i < n; i += 8) {
-      __m256 a = _mm256_mul_ps(vk, _mm256_loadu_ps(y + i));
-      __m256 b = _mm256_mul_ps(p1, load8_kv(value + stride, i, kv_f16));
-      a = _mm256_fmadd_ps(p0, load8_kv(value, i, kv_f16), a);
-      b = _mm256_fmadd_ps(p3, load8_kv(value + 3 * stride, i, kv_f16), b);
-      a = _mm256_fmadd_ps(p2, load8_kv(value + 2 * stride, i, kv_f16), a);
-      _mm256_storeu_ps(y + i, _mm256_add_ps(a, b));
+/* GROUP query heads (a compile-time 1..4 once inlined) at once over 16 dims at a time: every value row is
+   loaded once for all of them, and the 2 * GROUP sums are independent, so the FMAs do not wait on each other. */
+static inline __attribute__((always_inline)) void accumulate_heads(float *acc, const float *rescale,
+                                                                   const float *p, int64_t p_stride,
+                                                                   const char *value, int64_t stride, int64_t n,
+                                                                   int64_t head_dim, int kv_f16, const int group) {
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    __m256 lo[4], hi[4];
+    for (int g = 0; g < group; g++) {
+      const __m256 keep = _mm256_set1_ps(rescale[g]);
+      lo[g] = _mm256_mul_ps(keep, _mm256_loadu_ps(acc + g * head_dim + d));
+      hi[g] = _mm256_mul_ps(keep, _mm256_loadu_ps(acc + g * head_dim + d + 8));
+    }
+    for (int64_t t = 0; t < n; t++) {
+      const char *row = value + t * stride;
+      const __m256 v0 = load8_kv(row, d, kv_f16), v1 = load8_kv(row, d + 8, kv_f16);
+      for (int g = 0; g < group; g++) {
+        const __m256 w = _mm256_set1_ps(p[g * p_stride + t]);
+        lo[g] = _mm256_fmadd_ps(w, v0, lo[g]);
+        hi[g] = _mm256_fmadd_ps(w, v1, hi[g]);
+      }
+    }
+    for (int g = 0; g < group; g++) {
+      _mm256_storeu_ps(acc + g * head_dim + d, lo[g]);
+      _mm256_storeu_ps(acc + g * head_dim + d + 8, hi[g]);
+    }
+  }
+}
+#endif
+
+/* acc[g] = acc[g] * rescale[g] + sum_t p[g * p_stride + t] * value_t for the `heads` query heads of one KV head
+   (acc rows of head_dim floats) over the n value rows value + t * stride (bytes). */
+static void block_accumulate(float *acc, const float *rescale, const float *p, int64_t p_stride, const char *value,
+                             int64_t stride, int64_t n, int64_t head_dim, int kv_f16, int64_t heads) {
+#ifdef HAVE_AVX2
+  if (head_dim % 16 == 0) {
+    for (int64_t g = 0; g < heads; g += 4) {
+      float *a = acc + g * head_dim;
+      const float *r = rescale + g, *pg = p + g * p_stride;
+      switch (heads - g < 4 ? heads - g : 4) {
+        case 1: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_f16, 1); break;
+        case 2: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_f16, 2); break;
+        case 3: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_f16, 3); break;
+        default: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_f16, 4); break;
+      }
     }
     return;
   }
 #endif
-  scale_add_kv(y, keep, p[0], value, n, kv_f16);
-  for (int t = 1; t < 4; t++) scale_add_kv(y, 1.0f, p[t], value + t * stride, n, kv_f16);
+  for (int64_t g = 0; g < heads; g++)
+    for (int64_t t = 0; t < n; t++)
+      scale_add_kv(acc + g * head_dim, t == 0 ? rescale[g] : 1.0f, p[g * p_stride + t], value + t * stride,
+                   head_dim, kv_f16);
 }
 
 static inline void store_kv(void *dst, const float *src, int64_t n, int kv_f16) {
@@ -248,30 +290,42 @@ static void rope(const float *src, float *dst, const float *cos, const float *si
   }
 }
 
-/* One request's new token, KV heads [h0, h1): q/k norm, RoPE, K/V store, attention over its cached tokens. */
-static void decode_one(const float *row, const float *cos, const float *sin, const float *q_norm,
-                       const float *k_norm, float norm_eps, char *k_cache, char *v_cache, int kv_f16,
-                       const int32_t *table, int64_t seq_len, int64_t slot, float *out, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t h0,
-                       int64_t h1, int four_at_a_time) {
+/* Software prefetch of `rows` rows of `bytes` bytes each, `stride` bytes apart: the hardware prefetcher does not
+   follow a request's blocks, which lie anywhere in the cache pool. */
+static inline void prefetch_rows(const char *p, int64_t stride, int64_t rows, int64_t bytes) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + r * stride + b, 0, 2);
+}
+
+/* One token's K/V, KV heads [h0, h1): k norm, RoPE, and both stored at `slot` (skipped when < 0). */
+static void store_row(const float *row, const float *cos, const float *sin, const float *k_norm, float norm_eps,
+                      char *k_cache, char *v_cache, int kv_f16, int64_t slot, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim) {
+  if (slot < 0) return;
+  const int64_t elem = kv_f16 ? 2 : 4, token_stride = num_kv_heads * head_dim;
+  for (int64_t h = 0; h < num_kv_heads; h++) {
+    float k[head_dim], rotated[head_dim];
+    memcpy(k, row + (num_heads + h) * head_dim, head_dim * sizeof(float));
+    if (k_norm) head_rms_norm(k, k_norm, head_dim, norm_eps);
+    rope(k, rotated, cos, sin, head_dim);
+    store_kv(k_cache + (slot * token_stride + h * head_dim) * elem, rotated, head_dim, kv_f16);
+    store_kv(v_cache + (slot * token_stride + h * head_dim) * elem, row + (num_heads + num_kv_heads + h) * head_dim,
+             head_dim, kv_f16);
+  }
+}
+
+/* One token's query heads of KV heads [h0, h1): q norm, RoPE, attention over the first seq_len tokens of its
+   request (block table `table`) in the cache. */
+static void attend_row(const float *row, const float *cos, const float *sin, const float *q_norm, float norm_eps,
+                       const char *k_cache, const char *v_cache, int kv_f16, const int32_t *table, int64_t seq_len,
+                       float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                       float scale, int64_t h0, int64_t h1) {
   const int64_t elem = kv_f16 ? 2 : 4; /* bytes of one cached value */
   const int64_t group = num_heads / num_kv_heads, heads = (h1 - h0) * group; /* the query heads here */
   const int64_t token_stride = num_kv_heads * head_dim;                      /* floats from token to token */
   float q[heads * head_dim], acc[heads * head_dim], scores[heads * block_size];
   float running_max[heads], running_sum[heads], rescale[heads];
 
-  for (int64_t h = h0; h < h1; h++) {
-    float k[head_dim];
-    memcpy(k, row + (num_heads + h) * head_dim, head_dim * sizeof(float));
-    if (k_norm) head_rms_norm(k, k_norm, head_dim, norm_eps);
-    if (slot >= 0) {
-      float rotated[head_dim];
-      rope(k, rotated, cos, sin, head_dim);
-      store_kv(k_cache + (slot * token_stride + h * head_dim) * elem, rotated, head_dim, kv_f16);
-      store_kv(v_cache + (slot * token_stride + h * head_dim) * elem, row + (num_heads + num_kv_heads + h) * head_dim,
-               head_dim, kv_f16);
-    }
-  }
   for (int64_t i = 0; i < heads; i++) {
     float tmp[head_dim];
     memcpy(tmp, row + (h0 * group + i) * head_dim, head_dim * sizeof(float));
@@ -283,45 +337,33 @@ static void decode_one(const float *row, const float *cos, const float *sin, con
   }
   memset(acc, 0, sizeof(acc));
 
-  /* block by block: scores of every query head here, then an online softmax (rescale what came before) */
+  /* block by block, and in a block KV head by KV head: the scores of the head's query heads, an online softmax
+     (rescale what came before), then their values; a block's K and V rows are read front to back */
+  const int64_t row_bytes = token_stride * elem;
   for (int64_t start = 0; start < seq_len; start += block_size) {
     const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-    const int64_t base = (int64_t)table[start / block_size] * block_size * token_stride;
-    const int64_t row_bytes = token_stride * elem, step = four_at_a_time ? 4 : n + 1;
-    int64_t j = 0;
-    for (; j + step <= n; j += step) {
-      const char *key = k_cache + (base + j * token_stride) * elem;
-      for (int64_t i = 0; i < heads; i++) {
-        float four[4];
-        dot4_kv(q + i * head_dim, key + (h0 + i / group) * head_dim * elem, row_bytes, head_dim, kv_f16, four);
-        memcpy(scores + i * block_size + j, four, sizeof(four));
+    const int64_t base = (int64_t)table[start / block_size] * block_size * token_stride * elem;
+    /* the next block, asked for a KV head at a time while this block computes */
+    const int64_t next = start + block_size < seq_len
+                             ? (int64_t)table[start / block_size + 1] * block_size * token_stride * elem : -1;
+    for (int64_t h = h0; h < h1; h++) {
+      const int64_t first = (h - h0) * group; /* this KV head's query heads among the task's */
+      const char *key = k_cache + base + h * head_dim * elem, *value = v_cache + base + h * head_dim * elem;
+      if (next >= 0) {
+        prefetch_rows(k_cache + next + h * head_dim * elem, row_bytes, block_size, head_dim * elem);
+        prefetch_rows(v_cache + next + h * head_dim * elem, row_bytes, block_size, head_dim * elem);
       }
-    }
-    for (; j < n; j++) {
-      const char *key = k_cache + (base + j * token_stride) * elem;
-      for (int64_t i = 0; i < heads; i++)
-        scores[i * block_size + j] =
-            dot_kv(q + i * head_dim, key + (h0 + i / group) * head_dim * elem, head_dim, kv_f16);
-    }
-    for (int64_t i = 0; i < heads; i++) {
-      float *si = scores + i * block_size;
-      float block_max = running_max[i];
-      for (int64_t j = 0; j < n; j++) block_max = si[j] > block_max ? si[j] : block_max;
-      rescale[i] = expf(running_max[i] - block_max); /* 0 on the first block (the max was -inf) */
-      running_sum[i] = running_sum[i] * rescale[i] + exp_shifted_sum(si, block_max, n);
-      running_max[i] = block_max;
-    }
-    for (j = 0; j + step <= n; j += step) {
-      const char *value = v_cache + (base + j * token_stride) * elem;
-      for (int64_t i = 0; i < heads; i++)
-        scale_add4_kv(acc + i * head_dim, j == 0 ? rescale[i] : 1.0f, scores + i * block_size + j,
-                      value + (h0 + i / group) * head_dim * elem, row_bytes, head_dim, kv_f16);
-    }
-    for (; j < n; j++) {
-      const char *value = v_cache + (base + j * token_stride) * elem;
-      for (int64_t i = 0; i < heads; i++)
-        scale_add_kv(acc + i * head_dim, j == 0 ? rescale[i] : 1.0f, scores[i * block_size + j],
-                     value + (h0 + i / group) * head_dim * elem, head_dim, kv_f16);
+      for (int64_t i = first; i < first + group; i++) {
+        float *si = scores + i * block_size;
+        block_scores(q + i * head_dim, key, row_bytes, n, head_dim, kv_f16, si);
+        float block_max = running_max[i];
+        for (int64_t j = 0; j < n; j++) block_max = si[j] > block_max ? si[j] : block_max;
+        rescale[i] = expf(running_max[i] - block_max); /* 0 on the first block (the max was -inf) */
+        running_sum[i] = running_sum[i] * rescale[i] + exp_shifted_sum(si, block_max, n);
+        running_max[i] = block_max;
+      }
+      block_accumulate(acc + first * head_dim, rescale + first, scores + first * block_size, block_size, value,
+                       row_bytes, n, head_dim, kv_f16, group);
     }
   }
   for (int64_t i = 0; i < heads; i++) {
@@ -331,35 +373,43 @@ static void decode_one(const float *row, const float *cos, const float *sin, con
   }
 }
 
-/* One decode step's attention straight from the fused qkv projection, for requests of one new token each.
+/* A step's attention straight from the fused qkv projection, a row per token (decodes and prefill chunks).
 
-   qkv: [num_seqs, qkv_stride], each row [q heads | k heads | v heads] x head_dim. For each request: optional
-   per-head RMSNorm of q and k (q_norm / k_norm weights, NULL when the model has none), RoPE at positions[r],
-   the new k and v stored at slot_mapping[r] (skipped when < 0), then attention of its query heads over its
-   seq_lens[r] tokens, read in place from the paged cache ([num_blocks, block_size, num_kv_heads, head_dim])
-   block by block with an online softmax. out: [num_seqs, num_heads, head_dim]; seq_len 0 gives zeros.
-   The cache holds float32 values, or float16 with kv_f16 (when kv_f16_supported()).
-   A task is a whole request (its tokens' K/V rows are read front to back, which the prefetcher follows) when
-   there are enough requests to share out, else one KV head of one, which then takes its keys four at a time
-   (measured: 2x faster for one request; with whole-request tasks at 64 requests it was 1.3-1.4x slower). */
-void rope_store_decode_attention_f32(const float *qkv, int64_t qkv_stride, const int64_t *positions,
-                                     const float *cos_table, const float *sin_table, const float *q_norm,
-                                     const float *k_norm, float norm_eps, void *k_cache, void *v_cache,
-                                     int kv_f16, const int32_t *block_tables, int64_t table_stride,
-                                     const int32_t *seq_lens,
-                                     const int64_t *slot_mapping, float *out, int64_t num_seqs,
-                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                     int64_t block_size, float scale, int num_threads) {
-  const int64_t heads_per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
-  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-  for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
-    const int64_t r = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;
-    decode_one(qkv + r * qkv_stride, cos_table + positions[r] * head_dim, sin_table + positions[r] * head_dim,
-               q_norm, k_norm, norm_eps, (char *)k_cache, (char *)v_cache, kv_f16, block_tables + r * table_stride,
-               seq_lens[r],
-               slot_mapping[r], out + r * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size,
-               scale, h0, h0 + heads_per_task, heads_per_task == 1);
+   qkv: [num_rows, qkv_stride], each row [q heads | k heads | v heads] x head_dim. First every row's K/V: optional
+   per-head RMSNorm of k (k_norm, NULL when the model has none), RoPE at positions[r], stored at slot_mapping[r]
+   (skipped when < 0). Then every row's attention: q norm (q_norm) and RoPE, then its query heads over the first
+   attend_lens[r] tokens of its request (block table row row_seq[r], or r when row_seq is NULL; for causal
+   attention attend_lens[r] = positions[r] + 1), read in place from the paged cache ([num_blocks, block_size,
+   num_kv_heads, head_dim]) block by block with an online softmax. out: [num_rows, num_heads, head_dim]; a row
+   of length 0 gives zeros. The cache holds float32 values, or float16 with kv_f16 (when kv_f16_supported()).
+   An attention task is a whole row (its K/V rows are read front to back) when there are enough rows to share
+   out, else one KV head of one row. */
+void rope_store_attention_f32(const float *qkv, int64_t qkv_stride, const int64_t *positions,
+                              const float *cos_table, const float *sin_table, const float *q_norm,
+                              const float *k_norm, float norm_eps, void *k_cache, void *v_cache, int kv_f16,
+                              const int32_t *block_tables, int64_t table_stride, const int32_t *row_seq,
+                              const int32_t *attend_lens, const int64_t *slot_mapping, float *out, int64_t num_rows,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              float scale, int num_threads) {
+  const int64_t heads_per_task = num_rows >= 4 * num_threads ? num_kv_heads : 1;
+  const int64_t tasks_per_row = num_kv_heads / heads_per_task;
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < num_rows; r++)
+      store_row(qkv + r * qkv_stride, cos_table + positions[r] * head_dim, sin_table + positions[r] * head_dim, k_norm,
+                norm_eps, (char *)k_cache, (char *)v_cache, kv_f16, slot_mapping[r], num_heads, num_kv_heads,
+                head_dim);
+    /* (the implicit barrier: a prefill row reads the K/V its request's other rows just stored) */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_rows * tasks_per_row; task++) {
+      const int64_t r = task / tasks_per_row, h0 = task % tasks_per_row * heads_per_task;
+      const int64_t seq = row_seq ? row_seq[r] : r;
+      attend_row(qkv + r * qkv_stride, cos_table + positions[r] * head_dim, sin_table + positions[r] * head_dim,
+                 q_norm, norm_eps, (const char *)k_cache, (const char *)v_cache, kv_f16,
+                 block_tables + seq * table_stride, attend_lens[r], out + r * num_heads * head_dim, num_heads,
+                 num_kv_heads, head_dim, block_size, scale, h0, h0 + heads_per_task);
+    }
   }
 }
 

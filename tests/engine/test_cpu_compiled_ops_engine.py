@@ -1,4 +1,4 @@
-"""The engine on the CPU runs its decode steps through the compiled ops (kernels/cpu_ops.py) and still gives
+"""The engine on the CPU runs its steps through the compiled ops (kernels/cpu_ops.py) and still gives
 transformers' greedy tokens; under cpu_int8, steps of one or two rows take the int8 matrix-vector kernel."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.helpers import hf_greedy, save_tiny_model
 def op_calls(monkeypatch) -> dict[str, list[int]]:
     """Spy on the compiled ops: the row count of every call, by op."""
     calls: dict[str, list[int]] = {}
-    for name in ("rope_store_decode_attention", "add_rms_norm", "silu_and_mul", "linear_i8"):
+    for name in ("rope_store_attention", "add_rms_norm", "silu_and_mul", "linear_i8"):
         original = getattr(cpu_ops, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
@@ -27,8 +27,8 @@ def op_calls(monkeypatch) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("compiled", [True, False])  # False: no C compiler, or NANOVLLM_CPU_KERNELS=0
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the kernel's q/k norms
-def test_decode_steps_give_hf_tokens_with_and_without_the_compiled_ops(family, compiled, tmp_path, monkeypatch,
-                                                                       op_calls):
+def test_steps_give_hf_tokens_with_and_without_the_compiled_ops(family, compiled, tmp_path, monkeypatch,
+                                                                op_calls):
     from nanovllm import LLM, SamplingParams
 
     if not compiled:
@@ -43,8 +43,8 @@ def test_decode_steps_give_hf_tokens_with_and_without_the_compiled_ops(family, c
     if not compiled:
         assert not op_calls  # the same steps as torch ops
         return
-    # 5 decode steps x 2 layers, every request decoding in each (the prompts prefill in one step)
-    assert op_calls["rope_store_decode_attention"] == [3] * 10
+    # the prompts prefill in one step (40 rows), then 5 decode steps with every request in each; 2 layers
+    assert op_calls["rope_store_attention"] == [40] * 2 + [3] * 10
     assert 3 in op_calls["add_rms_norm"] and 3 in op_calls["silu_and_mul"]
     assert "linear_i8" not in op_calls  # float32 model, no cpu_int8
 
@@ -75,7 +75,7 @@ def test_a_float16_kv_cache_gives_the_torch_paths_tokens(tmp_path, op_calls):
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64, kv_cache_dtype="float16")
     assert llm.runner.kv_cache.dtype == torch.float16
     compiled = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert op_calls["rope_store_decode_attention"]
+    assert op_calls["rope_store_attention"]
     op_calls.clear()
     original = cpu_ops.kv_cache_usable
     try:
@@ -83,7 +83,7 @@ def test_a_float16_kv_cache_gives_the_torch_paths_tokens(tmp_path, op_calls):
         fallback = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         cpu_ops.kv_cache_usable = original
-    assert "rope_store_decode_attention" not in op_calls
+    assert "rope_store_attention" not in op_calls
     assert compiled == fallback
 
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.attention.torch_backend import decode_attention_ref, store_kvcache_ref
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import (decode_attention_ref, prefill_attention_ref, store_kvcache_ref,
+                                              token_rows)
 from nanovllm.kernels import cpu_ops
 
 if cpu_ops.load() is None:  # the suite's machines have a C compiler; say so loudly if one does not
@@ -48,7 +50,7 @@ CASES = [(9, 3, 64, 256, False), (4, 4, 32, 16, False), (8, 1, 128, 16, True), (
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("copies", [1, 4])  # 5 requests: a task per KV head; 20: a task per request
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,qk_norm", CASES)
-def test_rope_store_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
+def test_rope_store_attention_of_decodes_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
                                                        qk_norm, copies, kv_dtype) -> None:
     torch.manual_seed(2)
     # one token, block boundaries, ragged
@@ -86,9 +88,63 @@ def test_rope_store_decode_attention_matches_reference(num_heads, num_kv_heads, 
     store_kvcache_ref(k, v.reshape(num_seqs, num_kv_heads, head_dim), k_ref, v_ref, slots)
     ref = decode_attention_ref(q, k_ref, v_ref, tables, lens, scale)
 
-    out = cpu_ops.rope_store_decode_attention(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache,
-                                              tables, lens, slots, num_heads, num_kv_heads, scale)
+    out = cpu_ops.rope_store_attention(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache, tables,
+                                       lens, slots, num_heads, num_kv_heads, scale)
     # a float16 cache: the new k may round to the neighbouring float16 where the two rotations differ in float32
+    tol = 1e-5 if kv_dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(k_cache, k_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-4 if kv_dtype == torch.float32 else 1e-3, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("copies", [1, 3])  # few rows: a task per KV head of a row; many: a task per row
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,qk_norm", CASES)
+def test_rope_store_attention_of_a_mixed_step_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
+                                                                qk_norm, copies, kv_dtype) -> None:
+    """Decodes, then prefill chunks (a whole prompt; a chunk after cached context across blocks; one token after
+    context): every row's K/V is stored before any row attends, each row sees its request's tokens up to itself."""
+    torch.manual_seed(3)
+    decode_lens = [5, block_size + 1] * copies
+    chunks = [(0, 7), (block_size + 3, block_size + 2), (2 * block_size, 1)] * copies  # (context, query) lengths
+    query_lens = [1] * len(decode_lens) + [q for _, q in chunks]
+    seq_lens = decode_lens + [c + q for c, q in chunks]
+    num_seqs, max_blocks = len(seq_lens), max(-(-n // block_size) for n in seq_lens)
+    num_blocks = num_seqs * max_blocks + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)
+    tables = torch.randperm(num_blocks)[:num_seqs * max_blocks].view(num_seqs, max_blocks).int()
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(seq_lens, query_lens)])
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens))
+    slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    num_tokens = len(positions)
+    angles = torch.outer(torch.arange(4 * block_size + 64).float(), torch.rand(head_dim // 2) + 0.01)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    q_norm = torch.rand(head_dim) + 0.5 if qk_norm else None
+    k_norm = torch.rand(head_dim) + 0.5 if qk_norm else None
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    scale = head_dim ** -0.5
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(slots, cu, torch.tensor(seq_lens, dtype=torch.int32), tables, len(decode_lens),
+                             len(decode_lens), max(query_lens), max(seq_lens), query_lens, seq_lens)
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(num_tokens, num_heads, head_dim), k.reshape(num_tokens, num_kv_heads, head_dim)
+    if qk_norm:
+        q, k = F.rms_norm(q, (head_dim,), q_norm, 1e-6), F.rms_norm(k, (head_dim,), k_norm, 1e-6)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q, k = _rotate_ref(q, c, s), _rotate_ref(k, c, s)
+    store_kvcache_ref(k, v.reshape(num_tokens, num_kv_heads, head_dim), k_ref, v_ref, slots)
+    nd = len(decode_lens)
+    ref = torch.cat([decode_attention_ref(q[:nd], k_ref, v_ref, tables[:nd], meta.seq_lens[:nd], scale),
+                     prefill_attention_ref(q[nd:], k_ref, v_ref, tables[nd:], cu[nd:] - nd, meta.seq_lens[nd:],
+                                           scale)])
+
+    row_seq, attend_lens = token_rows(meta)
+    assert torch.equal(row_seq.long(), seq_of_token) and torch.equal(attend_lens.long(), positions + 1)
+    out = cpu_ops.rope_store_attention(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache, tables,
+                                       attend_lens, slots, num_heads, num_kv_heads, scale, row_seq)
     tol = 1e-5 if kv_dtype == torch.float32 else 1e-3
     torch.testing.assert_close(k_cache, k_ref, rtol=tol, atol=tol)
     torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
@@ -98,7 +154,7 @@ def test_rope_store_decode_attention_matches_reference(num_heads, num_kv_heads, 
 def test_a_request_of_no_tokens_gets_zeros() -> None:
     k_cache = torch.randn(2, 4, 1, 8)
     qkv = torch.randn(1, 3 * 8)
-    out = cpu_ops.rope_store_decode_attention(
+    out = cpu_ops.rope_store_attention(
         qkv, torch.zeros(1, dtype=torch.long), torch.ones(4, 8), torch.zeros(4, 8), None, None, 1e-6, k_cache,
         k_cache.clone(), torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
         torch.full((1,), -1, dtype=torch.long), 1, 1, 1.0)
