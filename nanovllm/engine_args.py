@@ -38,8 +38,9 @@ HELP = {
                 "weights) and the LM head multiply int8 weights (per output channel) by int8-quantized "
                 "activations (per step): about 2x faster matmuls, a quarter of the weight bytes, int8 rounding "
                 "(greedy tokens differ from float32's more than with --cpu-fp16)",
-    "kv_cache_dtype": "auto (the model's dtype), float32, float16 or bfloat16; other than the model's: CPU only "
-                      "(e.g. float16 under a float32 model: twice the tokens in the same pool, float16 rounding)",
+    "kv_cache_dtype": "auto (the model's dtype; float16 under --cpu-int8), float32, float16 or bfloat16; other "
+                      "than the model's: CPU only (e.g. float16 under a float32 model: twice the tokens in the "
+                      "same pool, float16 rounding)",
 }
 
 
