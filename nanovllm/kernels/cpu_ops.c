@@ -343,18 +343,24 @@ static void attend_row(const float *row, const float *cos, const float *sin, con
   for (int64_t start = 0; start < seq_len; start += block_size) {
     const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
     const int64_t base = (int64_t)table[start / block_size] * block_size * token_stride * elem;
-    /* the next block, asked for a KV head at a time while this block computes */
+    /* the next block, asked for while this one computes: a share of its rows per query head, so the
+       prefetches spread over the work instead of filling the miss buffers at once (measured: 1.5 -> 1.2 ms a layer, float16
+       cache, 64 requests of 150 tokens; 2.0 without) */
     const int64_t next = start + block_size < seq_len
                              ? (int64_t)table[start / block_size + 1] * block_size * token_stride * elem : -1;
     for (int64_t h = h0; h < h1; h++) {
       const int64_t first = (h - h0) * group; /* this KV head's query heads among the task's */
       const char *key = k_cache + base + h * head_dim * elem, *value = v_cache + base + h * head_dim * elem;
-      if (next >= 0) {
-        prefetch_rows(k_cache + next + h * head_dim * elem, row_bytes, block_size, head_dim * elem);
-        prefetch_rows(v_cache + next + h * head_dim * elem, row_bytes, block_size, head_dim * elem);
-      }
+      const int64_t share = (block_size + group - 1) / group; /* rows of the next block asked for per query head */
       for (int64_t i = first; i < first + group; i++) {
         float *si = scores + i * block_size;
+        if (next >= 0) {
+          const int64_t r0 = (i - first) * share, rows = r0 + share > block_size ? block_size - r0 : share;
+          if (rows > 0) {
+            prefetch_rows(k_cache + next + r0 * row_bytes + h * head_dim * elem, row_bytes, rows, head_dim * elem);
+            prefetch_rows(v_cache + next + r0 * row_bytes + h * head_dim * elem, row_bytes, rows, head_dim * elem);
+          }
+        }
         block_scores(q + i * head_dim, key, row_bytes, n, head_dim, kv_f16, si);
         float block_max = running_max[i];
         for (int64_t j = 0; j < n; j++) block_max = si[j] > block_max ? si[j] : block_max;
