@@ -254,6 +254,37 @@ void add_rms_norm_f32(const float *x, const float *residual, float *summed, cons
   }
 }
 
+/* scales[r] = max_i |x[r, i]| (1 for a row of zeros), out[r] = x[r] / scales[r]: every row's largest magnitude
+   becomes 1, so one int8 scale for the whole tensor (torch's dynamic int8 linear) quantizes each row on its own
+   range. */
+void normalize_rows_f32(const float *x, float *out, float *scales, int64_t rows, int64_t dim, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= 65536)
+  for (int64_t r = 0; r < rows; r++) {
+    const float *xr = x + r * dim;
+    float *o = out + r * dim;
+    float m = 0.0f;
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 vm = _mm256_setzero_ps();
+    for (; i + 8 <= dim; i += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    m = _mm_cvtss_f32(h);
+#endif
+    for (; i < dim; i++) m = fabsf(xr[i]) > m ? fabsf(xr[i]) : m;
+    m = m > 0.0f ? m : 1.0f;
+    scales[r] = m;
+    const float inv = 1.0f / m;
+    i = 0;
+#ifdef HAVE_AVX2
+    for (; i + 8 <= dim; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(xr + i), _mm256_set1_ps(inv)));
+#endif
+    for (; i < dim; i++) o[i] = xr[i] * inv;
+  }
+}
+
 /* out[r, i] = silu(gate[r, i]) * up[r, i] over a packed [gate | up] row of 2 * half. */
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t half, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * half >= 65536)

@@ -38,6 +38,7 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 SIGNATURES = {
     "add_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _F, _I32],
     "silu_and_mul_f32": [_P, _P, _I64, _I64, _I32],
+    "normalize_rows_f32": [_P, _P, _P, _I64, _I64, _I32],
     "rope_store_attention_f32": [_P, _I64, _P, _P, _P, _P, _P, _F, _P, _P, _I32, _P, _I64, _P, _P, _P, _P,
                                  _I64, _I64, _I64, _I64, _I64, _F, _I32],
     "linear_i8_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
@@ -146,6 +147,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(rows, width // 2)
     load().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
+
+
+def normalize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, dim] contiguous float32 -> (x / m, m) with m [rows, 1] each row's largest magnitude (1 for a row
+    of zeros)."""
+    rows, dim = x.shape
+    out, scales = torch.empty_like(x), x.new_empty(rows, 1)
+    load().normalize_rows_f32(x.data_ptr(), out.data_ptr(), scales.data_ptr(), rows, dim, torch.get_num_threads())
+    return out, scales
 
 
 def rope_store_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

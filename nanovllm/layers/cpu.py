@@ -11,21 +11,22 @@ activations and sums, the weight stored (and read) as float16. Measured on a 2-c
 SmolLM2-135M with weights not in cache: 2-3x faster than float32 at 1 row, 3-6x at 2-4 rows (the LM head
 13.9 -> 3.0 ms at 1 row), 1.3-2.3x at 64 rows; the weight rounding is ~2e-4 of a layer's largest output.
 
-With ``int8`` (EngineConfig.cpu_int8) a layer multiplies through torch's dynamic int8 linear (fbgemm on x86):
-the weight is quantized once per output channel, each step's activations per tensor, the products summed in
-int32 and rescaled to float32. Measured on a 2-core AVX2 machine: 1.7-2x faster than float32 at 64-256 rows,
-3x for the LM head at 64 rows and 7x for one row (a quarter of the bytes to read); about 2 % error of a
-layer's largest output. One activation scale per step is too coarse for inputs with outlier channels: with the
-MLP's down projection (input SiLU(gate) * up) in int8 too, SmolLM2-135M's greedy answers drifted at once (one
-echoed its question); with that layer kept in float32 they read like float32's and differ only in wording, so
-it takes the float16 path instead. torch marks its quantized API as deprecated: both paths need it to build
-their weights, and are opt-in (their tokens are not float32's; float32 stays the default).
+With ``int8`` (EngineConfig.cpu_int8) every linear layer and the LM head multiply through torch's dynamic int8
+linear (fbgemm on x86): the weight is quantized once per output channel, the activations per row (see
+int8_linear), the products summed in int32 and rescaled to float32. Measured on a 2-core AVX2 machine: 1.7-2x
+faster than float32 at 64-256 rows, 3x for the LM head at 64 rows and 7x for one row (a quarter of the bytes to
+read); about 2 % error of a layer's largest output. With one activation scale per step instead (torch's own),
+the few tokens with outsized activations coarsened all the others: the MLP's down projection (input SiLU(gate) *
+up) had to keep float16 weights, and even so the top-1 agreement with float32's greedy tokens on SmolLM2-135M's
+chat answers was 68 % (79 % with per-row scales and the down projection in int8). torch marks its quantized API
+as deprecated: both paths need it to build their weights, and are opt-in (their tokens are not float32's;
+float32 stays the default).
 
 Steps of one or two rows (a lone request's decode) under ``int8`` multiply every layer, the down projection and
 the LM head included, through kernels/cpu_ops.py's int8 matrix-vector kernel instead: its inputs are quantized
 in blocks of 32 values with a scale each, so an outlier channel coarsens only its block (measured on
-SmolLM2-135M's real activations: ~1-1.5 % relative error for the down projection, against 4-5 % for torch's
-per-tensor int8 on any layer), and it reads the weights at ~11-15 GB/s against torch's 8-12 at one row.
+SmolLM2-135M's real activations: ~1-1.5 % relative error for the down projection, against 4-5 % with one
+scale for the row), and it reads the weights at ~11-15 GB/s against torch's 8-12 at one row.
 """
 
 from __future__ import annotations
@@ -93,10 +94,23 @@ def int8_weight(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_prepack(quantized, None)
 
 
+def normalize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / m, m), m each row's largest magnitude ([..., 1]; 1 for a row of zeros)."""
+    if x.dim() == 2 and x.is_contiguous() and cpu_ops.usable(x):
+        return cpu_ops.normalize_rows(x)  # one pass instead of four torch ops
+    row_max = x.abs().amax(dim=-1, keepdim=True)
+    row_max = torch.where(row_max > 0, row_max, torch.ones_like(row_max))
+    return x / row_max, row_max
+
+
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T (+ b) with a weight from int8_weight; x float32 [..., in] is quantized per call (reduce_range:
-    7-bit activations, so AVX2's 16-bit pairwise sums of int8 products cannot saturate)."""
-    y = torch.ops.quantized.linear_dynamic(x, packed, True)
+    7-bit activations, so AVX2's 16-bit pairwise sums of int8 products cannot saturate) with a scale per row:
+    fbgemm takes one scale for the whole tensor, so each row is divided by its largest magnitude first and the
+    product's row multiplied back. One scale for all rows let the few tokens with outsized activations (a
+    prompt's first, say) coarsen every other row (see the module docstring)."""
+    normalized, row_max = normalize_rows(x)
+    y = torch.ops.quantized.linear_dynamic(normalized, packed, True).mul_(row_max)
     return y if bias is None else y + bias
 
 
@@ -129,9 +143,6 @@ class CpuPackedMatmul:
     # 1.2-2x faster than torch's int8 linear at one row); None without the compiled ops
     int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     fp16_packed: torch.Tensor | None = None
-    # whether this layer's inputs survive one int8 scale per step (a layer whose inputs have outlier channels,
-    # e.g. an MLP's down projection, sets False and takes float16 weights under int8)
-    int8_inputs_ok = True
 
     def pack_for_cpu(self, release: bool = True, pack: bool = True, int8: bool = False, fp16: bool = False,
                      int8_rows: bool = False) -> None:
@@ -168,8 +179,8 @@ class CpuPackedMatmul:
 def pack_model_for_cpu(model: torch.nn.Module, int8: bool = False, fp16: bool = False) -> int:
     """Prepare every linear layer and the LM head of a loaded model for the CPU; returns how many.
 
-    Packs only with NANOVLLM_CPU_PACK=1 (``can_pack``). int8: int8 matmuls instead, and float16 weights for a
-    layer whose inputs do not survive int8. fp16: float16 weights (fbgemm) everywhere. Both: float32 models only.
+    Packs only with NANOVLLM_CPU_PACK=1 (``can_pack``). int8: int8 matmuls instead. fp16: float16 weights
+    (fbgemm) everywhere. Both: float32 models only.
     """
     pack = can_pack()
     if not pack and not int8 and not fp16:
@@ -187,10 +198,10 @@ def pack_model_for_cpu(model: torch.nn.Module, int8: bool = False, fp16: bool = 
         if pack_module is not None and module.weight.device.type == "cpu" and module.weight.dtype in (
                 torch.float32, torch.bfloat16):
             is_float32 = module.weight.dtype == torch.float32
-            layer_int8 = int8 and is_float32 and module.int8_inputs_ok
-            # steps of 1-2 rows: every layer in int8 through the compiled kernel, whose per-block input scales
-            # keep the outlier channels that rule the down projection out of torch's int8 GEMM from mattering
+            layer_int8 = int8 and is_float32
+            # steps of 1-2 rows: int8 through the compiled kernel, whose per-block input scales also keep a row's
+            # outlier channels from coarsening the rest of it
             pack_module(release=users[id(module.weight)] == 1, pack=pack, int8=layer_int8,
-                        fp16=is_float32 and (fp16 or int8) and not layer_int8, int8_rows=int8 and is_float32)
+                        fp16=is_float32 and fp16 and not layer_int8, int8_rows=layer_int8)
             count += 1
     return count

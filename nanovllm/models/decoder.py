@@ -85,8 +85,6 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported; supported: 'silu'.")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        # SiLU(gate) * up has outlier channels: int8 activations with one scale per step garble it (layers/cpu.py)
-        self.down_proj.int8_inputs_ok = False
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,18 @@ def test_add_rms_norm_matches_torch(rows, dim, with_residual) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,dim", [(1, 576), (3, 37), (64, 1536)])
+def test_normalize_rows_matches_torch(rows, dim) -> None:
+    torch.manual_seed(4)
+    x = torch.randn(rows, dim) * torch.logspace(-3, 3, rows)[:, None]
+    x[0] = 0.0  # a row of zeros keeps its zeros, with a scale of 1
+    out, scales = cpu_ops.normalize_rows(x)
+    row_max = x.abs().amax(1, keepdim=True)
+    torch.testing.assert_close(scales, torch.where(row_max > 0, row_max, torch.ones_like(row_max)), rtol=0, atol=0)
+    torch.testing.assert_close(out, x / scales, rtol=1e-6, atol=0)
+    assert out.abs().amax().item() <= 1.0 + 1e-6
+
+
 @pytest.mark.parametrize("rows,half", [(1, 1536), (5, 100), (64, 1536)])
 def test_silu_and_mul_matches_torch(rows, half) -> None:
     torch.manual_seed(1)
