@@ -207,7 +207,8 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None  # what the CPU path derives once per step
-        self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None  # the compiled path's
+        # the step's token_rows, for the compiled path (forward_qkv) of a step with prefill chunks
+        self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
 
     def _step_plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
         if self._plan is None or self._plan.meta is not meta:

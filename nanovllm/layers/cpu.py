@@ -18,7 +18,7 @@ faster than float32 at 64-256 rows, 3x for the LM head at 64 rows and 7x for one
 read); about 2 % error of a layer's largest output. With one activation scale per step instead (torch's own),
 the few tokens with outsized activations coarsened all the others: the MLP's down projection (input SiLU(gate) *
 up) had to keep float16 weights, and even so the top-1 agreement with float32's greedy tokens on SmolLM2-135M's
-chat answers was 68 % (79 % with per-row scales and the down projection in int8). torch marks its quantized API
+chat answers was 68 % (78 % with per-row scales and the down projection in int8). torch marks its quantized API
 as deprecated: both paths need it to build their weights, and are opt-in (their tokens are not float32's;
 float32 stays the default).
 
