@@ -8,7 +8,8 @@ One run measures, on the same chat prompts (greedy, --max-tokens new tokens, EOS
 - llama.cpp through llama-cpp-python, one request at a time (``--num-single``), on the same GGUF file.
 
 Throughput = generated tokens / wall time (prefill included), after one warm-up call per engine. With
-``--repeat N`` every part runs N times, interleaved, and the best time counts (the machine may be shared).
+``--repeat N`` every part runs N times, interleaved, and the best time counts (the machine may be shared); each
+of our parts starts from an empty prefix cache.
 Prints a table and our ratio to each peer, and writes JSON.
 
 llama-cpp-python lives in its own environment: ``--llama-python /path/to/python`` (default: $LLAMA_PYTHON,
@@ -68,7 +69,10 @@ def run_nanovllm(args, prompts: list[list[int]], engine_args: str) -> dict:
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
 
+    # every part starts from an empty prefix cache: a repetition must not find the previous one's prompts cached
+    # (requests within a part still share what earlier ones left, as llama.cpp reuses its previous prompt's prefix)
     def single() -> tuple[int, float]:
+        llm.reset_prefix_cache()
         tokens, seconds = 0, 0.0
         for p in prompts[:args.num_single]:
             start = time.perf_counter()
@@ -78,6 +82,7 @@ def run_nanovllm(args, prompts: list[list[int]], engine_args: str) -> dict:
         return tokens, seconds
 
     def concurrent() -> tuple[int, float]:
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:args.num_concurrent]], params, use_tqdm=False)
         return sum(len(o.token_ids) for o in outs), time.perf_counter() - start

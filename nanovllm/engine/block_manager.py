@@ -172,6 +172,19 @@ class BlockManager:
             seq.block_hashes.append(h)
             prefix_hash = h
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached content of every free block (blocks that running sequences hold keep theirs), so no
+        later request hits what finished ones left; returns how many blocks were forgotten."""
+        forgotten = 0
+        for block_id in self.free_block_ids:
+            block = self.blocks[block_id]
+            if block.hash != NO_HASH:
+                if self.hash_to_block_id.get(block.hash) == block_id:
+                    del self.hash_to_block_id[block.hash]
+                block.hash, block.token_ids = NO_HASH, []
+                forgotten += 1
+        return forgotten
+
     def check_invariants(self) -> None:
         """For tests: the pool's bookkeeping is consistent."""
         free = set(self.free_block_ids)

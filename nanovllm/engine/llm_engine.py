@@ -205,6 +205,12 @@ class LLMEngine:
             aborted = True
         return aborted
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's content, as vLLM's LLM.reset_prefix_cache (e.g. between benchmark runs);
+        blocks that running requests hold are kept. True once done."""
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
 

@@ -31,7 +31,7 @@ class SimulatedCache:
             assert self.slots[slot] == seq.token_ids[pos], "a sequence sees another sequence's K/V"
 
 
-ops = st.lists(st.tuples(st.sampled_from(["new", "append", "free"]),
+ops = st.lists(st.tuples(st.sampled_from(["new", "append", "free", "new", "append", "free", "reset"]),
                          st.lists(st.integers(0, 2), min_size=1, max_size=14),
                          st.integers(0, 1000)), max_size=60)
 
@@ -68,6 +68,8 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, caching):
                 live.remove(seq)
         elif op == "free" and live:
             bm.deallocate(live.pop(pick % len(live)))
+        elif op == "reset":
+            bm.reset_prefix_cache()
         bm.check_invariants()
         for seq in live:
             cache.assert_view(seq)
@@ -95,6 +97,24 @@ def test_prefix_hit_reuses_blocks_and_survives_free():
     bm.allocate(c)  # the freed blocks kept their hashes
     assert c.num_cached_tokens == 8
     assert bm.num_hit_tokens == 16 and bm.num_queried_tokens == 10 + 9 + 9
+
+
+def test_reset_prefix_cache_forgets_free_blocks_and_keeps_held_ones():
+    bm = BlockManager(8, BLOCK)
+    finished, running = Sequence(list(range(10))), Sequence(list(range(100, 110)))
+    for seq in (finished, running):
+        bm.allocate(seq)
+        seq.num_cached_tokens = seq.num_tokens
+        bm.cache_computed_blocks(seq)
+    bm.deallocate(finished)
+    assert bm.reset_prefix_cache() == 2  # the finished sequence's two full blocks
+    bm.check_invariants()
+    again = Sequence(list(range(9)))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0, "a reset cache hits nothing a finished request left"
+    shares = Sequence(list(range(100, 109)))
+    bm.allocate(shares)
+    assert shares.num_cached_tokens == 8 and shares.block_table[:2] == running.block_table[:2]
 
 
 def test_full_hit_still_computes_last_token():

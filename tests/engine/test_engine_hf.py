@@ -58,6 +58,10 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_qwen3, reference):
     hits_before = llm.scheduler.block_manager.num_hit_tokens
     assert run(llm) == reference[0]  # second run: every full prompt block is cached
     assert llm.scheduler.block_manager.num_hit_tokens - hits_before >= sum(len(p) - BLOCK for p in PROMPTS if len(p) > BLOCK)
+    assert llm.reset_prefix_cache()
+    hits_before = llm.scheduler.block_manager.num_hit_tokens
+    assert run(llm) == reference[0]  # after a reset: computed afresh, nothing hit
+    assert llm.scheduler.block_manager.num_hit_tokens == hits_before
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny_qwen3, reference):
