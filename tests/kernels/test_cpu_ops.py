@@ -55,6 +55,22 @@ def test_silu_and_mul_matches_torch(rows, half) -> None:
     torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+def _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads):
+    """The torch reference of the kernel's first half: q/k norm and RoPE of every row, K/V stored into copies of
+    the caches. Returns (q [rows, num_heads, head_dim], k_cache copy, v_cache copy)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    rows = qkv.shape[0]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(rows, num_heads, head_dim), k.reshape(rows, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = F.rms_norm(q, (head_dim,), q_norm, 1e-6), F.rms_norm(k, (head_dim,), k_norm, 1e-6)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q, k = _rotate_ref(q, c, s), _rotate_ref(k, c, s)
+    store_kvcache_ref(k, v.reshape(rows, num_kv_heads, head_dim), k_ref, v_ref, slots)
+    return q, k_ref, v_ref
+
+
 # (num_heads, num_kv_heads, head_dim, block_size, q/k norm): SmolLM2's 9/3 x 64, MHA, GQA 8, Qwen3-style norms
 CASES = [(9, 3, 64, 256, False), (4, 4, 32, 16, False), (8, 1, 128, 16, True), (6, 2, 16, 4, True)]
 
@@ -90,14 +106,7 @@ def test_rope_store_attention_of_decodes_matches_reference(num_heads, num_kv_hea
     qkv = torch.randn(num_seqs, width + 7)[:, :width]  # rows with a stride past their width
     scale = head_dim ** -0.5
 
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k = q.reshape(num_seqs, num_heads, head_dim), k.reshape(num_seqs, num_kv_heads, head_dim)
-    if qk_norm:
-        q, k = F.rms_norm(q, (head_dim,), q_norm, 1e-6), F.rms_norm(k, (head_dim,), k_norm, 1e-6)
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    q, k = _rotate_ref(q, c, s), _rotate_ref(k, c, s)
-    store_kvcache_ref(k, v.reshape(num_seqs, num_kv_heads, head_dim), k_ref, v_ref, slots)
+    q, k_ref, v_ref = _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads)
     ref = decode_attention_ref(q, k_ref, v_ref, tables, lens, scale)
 
     out = cpu_ops.rope_store_attention(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache, tables,
@@ -140,14 +149,7 @@ def test_rope_store_attention_of_a_mixed_step_matches_reference(num_heads, num_k
     meta = AttentionMetadata(slots, cu, torch.tensor(seq_lens, dtype=torch.int32), tables, len(decode_lens),
                              len(decode_lens), max(query_lens), max(seq_lens), query_lens, seq_lens)
 
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k = q.reshape(num_tokens, num_heads, head_dim), k.reshape(num_tokens, num_kv_heads, head_dim)
-    if qk_norm:
-        q, k = F.rms_norm(q, (head_dim,), q_norm, 1e-6), F.rms_norm(k, (head_dim,), k_norm, 1e-6)
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    q, k = _rotate_ref(q, c, s), _rotate_ref(k, c, s)
-    store_kvcache_ref(k, v.reshape(num_tokens, num_kv_heads, head_dim), k_ref, v_ref, slots)
+    q, k_ref, v_ref = _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads)
     nd = len(decode_lens)
     ref = torch.cat([decode_attention_ref(q[:nd], k_ref, v_ref, tables[:nd], meta.seq_lens[:nd], scale),
                      prefill_attention_ref(q[nd:], k_ref, v_ref, tables[nd:], cu[nd:] - nd, meta.seq_lens[nd:],
