@@ -1,4 +1,4 @@
-"""The CPU's compiled decode ops (kernels/cpu_ops.c) against their torch references."""
+"""The CPU's compiled ops (kernels/cpu_ops.c) against their torch references."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.torch_backend import (decode_attention_ref, prefill_attention_ref, store_kvcache_ref,
-                                              token_rows)
+from nanovllm.attention.torch_backend import (
+    decode_attention_ref,
+    prefill_attention_ref,
+    store_kvcache_ref,
+    token_rows,
+)
 from nanovllm.kernels import cpu_ops
 
 if cpu_ops.load() is None:  # the suite's machines have a C compiler; say so loudly if one does not
