@@ -65,14 +65,18 @@ class BlockManager:
         return len(self.used_block_ids) / len(self.blocks)
 
     # -- internals -----------------------------------------------------------------------------------------
+    def _forget_content(self, block: Block) -> None:
+        """Drop a block's prefix hash (and the cache's pointer to it): no request can hit it any more."""
+        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = NO_HASH
+        block.token_ids = []
+
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]  # its old content is about to be overwritten
-        block.hash = NO_HASH
-        block.token_ids = []
+        self._forget_content(block)  # its old content is about to be overwritten
         block.ref_count = 1
         self.used_block_ids.add(block_id)
         return block_id
@@ -175,15 +179,10 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Forget the cached content of every free block (blocks that running sequences hold keep theirs), so no
         later request hits what finished ones left; returns how many blocks were forgotten."""
-        forgotten = 0
-        for block_id in self.free_block_ids:
-            block = self.blocks[block_id]
-            if block.hash != NO_HASH:
-                if self.hash_to_block_id.get(block.hash) == block_id:
-                    del self.hash_to_block_id[block.hash]
-                block.hash, block.token_ids = NO_HASH, []
-                forgotten += 1
-        return forgotten
+        cached = [self.blocks[i] for i in self.free_block_ids if self.blocks[i].hash != NO_HASH]
+        for block in cached:
+            self._forget_content(block)
+        return len(cached)
 
     def check_invariants(self) -> None:
         """For tests: the pool's bookkeeping is consistent."""

@@ -130,15 +130,16 @@ static inline void scale_add_kv(float *y, float keep, float p, const void *value
   scale_add_f32(y, keep, p, (const float *)value, n);
 }
 
-/* Four keys (or values) at a time: four independent sums, so the FMAs do not wait on each other. */
 #ifdef HAVE_AVX2
+/* 8 cached values (float16 or float32) at element i of a row, as float32 */
 static inline __m256 load8_kv(const char *row, int64_t i, int kv_f16) {
   return kv_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
                 : _mm256_loadu_ps((const float *)row + i);
 }
 #endif
 
-/* out[t] = sum q[i] * key_t[i] for the four rows key + t * stride (bytes) */
+/* out[t] = sum q[i] * key_t[i] for the four rows key + t * stride (bytes): four independent sums, so the FMAs do
+   not wait on each other */
 static inline void dot4_kv(const float *q, const char *key, int64_t stride, int64_t n, int kv_f16, float *out) {
 #ifdef HAVE_AVX2
   if (n % 8 == 0) {
@@ -328,7 +329,7 @@ static inline void prefetch_rows(const char *p, int64_t stride, int64_t rows, in
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + r * stride + b, 0, 2);
 }
 
-/* One token's K/V, KV heads [h0, h1): k norm, RoPE, and both stored at `slot` (skipped when < 0). */
+/* One token's K/V, every KV head: k norm, RoPE, and both stored at `slot` (skipped when < 0). */
 static void store_row(const float *row, const float *cos, const float *sin, const float *k_norm, float norm_eps,
                       char *k_cache, char *v_cache, int kv_f16, int64_t slot, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim) {

@@ -5,8 +5,8 @@ row ~30 us, SDPA ~90 us, each add or copy 3-5 us) as in its matmuls; cpu_ops.c d
 calls a layer: residual add + RMSNorm, SiLU-and-mul, and RoPE + KV store + attention over the paged cache
 (read in place; decodes and prefill chunks alike, where it also beats gathering each request's K/V for SDPA:
 64 chunks of 20 tokens 2.4 -> 1.9 s, a 3,000-token prompt 33 -> 12.5 s on a 2-core AVX2 machine); and under
-cpu_int8 an int8 matrix-vector product for steps of one or two rows. The
-library is compiled once per source and machine (``-march=native``, OpenMP) into
+cpu_int8 an int8 matrix-vector product for steps of one or two rows and the per-row scaling of the int8
+linears' inputs. The library is compiled once per source and machine (``-march=native``, OpenMP) into
 ``$NANOVLLM_CACHE_DIR`` (default ~/.cache/nanovllm) and loaded after torch, so its OpenMP loops run on the
 libgomp torch already loaded: the same worker threads, no contention.
 
