@@ -155,17 +155,20 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     # -- prefix cache ---------------------------------------------------------------------------------------
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish seq's full blocks whose K/V is now computed, so later requests can hit them.
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Publish seq's full blocks among its first ``num_tokens`` tokens, so later requests can hit them;
+        returns the (block id, hash) pairs newly published.
 
-        Called after each step: a block is only hashable once every one of its tokens is in the cache, so a
-        concurrent request can never hit a block that is still being filled.
+        The scheduler publishes the blocks a step will fill when it schedules the step, so a request admitted
+        later in the same step already shares them: every attention backend stores the step's K/V in each layer
+        before any request of the step reads the cache. (Decodes are published after their step, once their
+        token is known.)
         """
         if not self.enable_prefix_caching:
-            return
-        num_full = seq.num_cached_tokens // self.block_size
+            return []
+        published = []
         prefix_hash = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
-        for i in range(len(seq.block_hashes), num_full):
+        for i in range(len(seq.block_hashes), num_tokens // self.block_size):
             tokens = seq.block(i)
             h = block_hash(tokens, prefix_hash)
             block = self.blocks[seq.block_table[i]]
@@ -173,8 +176,21 @@ class BlockManager:
                 block.hash = h
                 block.token_ids = list(tokens)
                 self.hash_to_block_id.setdefault(h, block.block_id)
+                published.append((block.block_id, h))
             seq.block_hashes.append(h)
             prefix_hash = h
+        return published
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish seq's full blocks whose K/V is computed (after a step)."""
+        self.cache_blocks(seq, seq.num_cached_tokens)
+
+    def unpublish(self, published: list[tuple[int, int]]) -> None:
+        """Take back blocks published for a step that failed: their K/V was never written."""
+        for block_id, h in published:
+            block = self.blocks[block_id]
+            if block.hash == h:
+                self._forget_content(block)
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached content of every free block (blocks that running sequences hold keep theirs), so no

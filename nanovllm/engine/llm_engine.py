@@ -239,16 +239,26 @@ class LLMEngine:
                     state = self.requests.get(seq.request_id)
                     if state is not None and state.num_cached_tokens is None:
                         state.num_cached_tokens = seq.num_cached_tokens  # what the prefix cache served
-            current = self._launch(seqs)
+            try:
+                current = self._launch(seqs)
+            except BaseException:
+                self.scheduler.undo_step(seqs)
+                raise
         seqs = current.seqs
         prefill = sum(s.num_scheduled_tokens for s in seqs if s.is_prefill)
         decode = sum(1 for s in seqs if not s.is_prefill)
-        if self.async_scheduling:
-            # plan and launch the next step before reading this one's tokens: the device never waits for the host
-            ahead = self.scheduler.schedule_ahead(seqs)
-            if ahead:
-                self._in_flight = self.runner.launch(ahead, after=current)
-        output = current.result()
+        try:
+            if self.async_scheduling:
+                # plan and launch the next step before reading this one's tokens: the device never waits for the
+                # host
+                ahead = self.scheduler.schedule_ahead(seqs)
+                if ahead:
+                    self._in_flight = self.runner.launch(ahead, after=current)
+            output = current.result()
+        except BaseException:
+            self.scheduler.undo_step(seqs)  # (a step planned ahead holds decodes only: it is simply dropped)
+            self._in_flight = None
+            raise
         ended = [seq.is_finished for seq in seqs]  # while the step ran (aborted, or stopped by the step before)
         for i in (i for i, e in enumerate(ended) if e):
             output.token_ids[i] = output.logprobs[i] = None  # drop its token

@@ -3,7 +3,9 @@
 There is no separate prefill phase: a request has ``num_cached_tokens`` computed out of ``num_tokens``, and a
 step closes part of that gap within a token budget (``max_num_batched_tokens``). Running requests decode one
 token each; the budget left over goes to waiting requests in arrival order, the last one admitted taking a
-chunk of its prompt if the whole prompt does not fit. When the KV pool runs dry, the newest running request
+chunk of its prompt if the whole prompt does not fit. The full blocks a prefill will fill are published to the
+prefix cache as soon as it is scheduled, so requests admitted after it in the same step share them (64 requests
+with one system prompt compute it once). When the KV pool runs dry, the newest running request
 is preempted: it gives its blocks back and returns to the front of the queue, to be recomputed later.
 """
 
@@ -44,6 +46,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = SchedulerStats()
+        # blocks published when the step in flight was scheduled, before their K/V exists (see undo_step)
+        self._published: list[tuple[int, int]] = []
 
     # -- queue ------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence, first: bool = False) -> None:
@@ -115,6 +119,8 @@ class Scheduler:
                 num_new = min(seq.num_tokens - seq.num_cached_tokens, budget)
                 assert num_new > 0
                 seq.num_scheduled_tokens = num_new
+                # the blocks this chunk fills are shared from now on, with requests admitted later in this step
+                self._published += self.block_manager.cache_blocks(seq, seq.num_cached_tokens + num_new)
                 budget -= num_new
                 scheduled.append(seq)
                 if seq.num_cached_tokens + num_new < seq.num_tokens:
@@ -176,11 +182,29 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
 
+    def undo_step(self, seqs: list[Sequence]) -> None:
+        """The step scheduled as ``seqs`` failed: its K/V may be missing. Blocks published for it are taken
+        back, and its prefills, which may have hit them, go back to the front of the queue to start afresh;
+        decodes simply repeat."""
+        self.block_manager.unpublish(self._published)
+        self._published = []
+        for seq in reversed(seqs):
+            if seq.is_finished or not seq.is_prefill:
+                continue
+            for queue in (self.waiting, self.running):
+                if seq in queue:
+                    queue.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.num_scheduled_tokens = 0
+            self.block_manager.deallocate(seq)
+            self.waiting.appendleft(seq)
+
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
         """Record the step: advance progress, append sampled tokens, finish requests. Returns the finished.
 
         token_ids[i] is None for a sequence that only computed a chunk of its prompt (nothing sampled).
         """
+        self._published = []  # their K/V is written now
         finished = []
         for seq, token_id in zip(seqs, token_ids, strict=True):
             if seq.is_finished:

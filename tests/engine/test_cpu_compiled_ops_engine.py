@@ -36,16 +36,19 @@ def test_steps_give_hf_tokens_with_and_without_the_compiled_ops(family, compiled
     path = save_tiny_model(family, tmp_path / family)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 9, 30)]
+    prompts.append(prompts[2][:20] + [5, 6, 7])  # shares its first block with the prompt before it, in one step
     reference, _ = hf_greedy(path, prompts, 6)
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == reference
+    assert llm.scheduler.block_manager.num_hit_tokens == 16
     if not compiled:
         assert not op_calls  # the same steps as torch ops
         return
-    # the prompts prefill in one step (40 rows), then 5 decode steps with every request in each; 2 layers
-    assert op_calls["rope_store_attention"] == [40] * 2 + [3] * 10
-    assert 3 in op_calls["add_rms_norm"] and 3 in op_calls["silu_and_mul"]
+    # the prompts prefill in one step (40 rows, and 7 of the last prompt's 23), then 5 decode steps with every
+    # request in each; 2 layers
+    assert op_calls["rope_store_attention"] == [47] * 2 + [4] * 10
+    assert 4 in op_calls["add_rms_norm"] and 4 in op_calls["silu_and_mul"]
     assert "linear_i8" not in op_calls  # float32 model, no cpu_int8
 
 
@@ -56,7 +59,7 @@ def test_cpu_int8_takes_the_int8_kernel_for_one_or_two_rows(tmp_path, op_calls):
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64, cpu_int8=True)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]["token_ids"]
-    # qkv, o, gate_up (down keeps float16) per layer and the LM head: one row each decode step
+    # qkv, o, gate_up, down per layer and the LM head: one row each decode step
     assert op_calls["linear_i8"] and set(op_calls["linear_i8"]) == {1}
     op_calls.clear()
     llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)

@@ -54,14 +54,18 @@ def test_greedy_tokens_and_logits_match_hf(tiny_qwen3, reference):
 
 def test_prefix_cache_hits_give_the_same_tokens(tiny_qwen3, reference):
     llm = LLM(tiny_qwen3, kvcache_block_size=BLOCK, num_kvcache_blocks=256)
+    bm = llm.scheduler.block_manager
     assert run(llm) == reference[0]
-    hits_before = llm.scheduler.block_manager.num_hit_tokens
+    # the last prompt shares 200 tokens with prompt 6, admitted earlier in the same step: it reads the 12 full
+    # blocks that prompt 6's prefill fills in that very step
+    in_step_hits = bm.num_hit_tokens
+    assert in_step_hits == 200 // BLOCK * BLOCK
     assert run(llm) == reference[0]  # second run: every full prompt block is cached
-    assert llm.scheduler.block_manager.num_hit_tokens - hits_before >= sum(len(p) - BLOCK for p in PROMPTS if len(p) > BLOCK)
+    assert bm.num_hit_tokens - in_step_hits >= sum(len(p) - BLOCK for p in PROMPTS if len(p) > BLOCK)
     assert llm.reset_prefix_cache()
-    hits_before = llm.scheduler.block_manager.num_hit_tokens
-    assert run(llm) == reference[0]  # after a reset: computed afresh, nothing hit
-    assert llm.scheduler.block_manager.num_hit_tokens == hits_before
+    hits_before = bm.num_hit_tokens
+    assert run(llm) == reference[0]  # after a reset: computed afresh, only the in-step sharing hits
+    assert bm.num_hit_tokens - hits_before == in_step_hits
 
 
 def test_chunked_prefill_gives_the_same_tokens(tiny_qwen3, reference):
@@ -95,3 +99,26 @@ def test_preemption_gives_the_same_tokens(tiny_qwen3):
 def test_block_size_256_and_max_num_seqs(tiny_qwen3, reference):
     llm = LLM(tiny_qwen3, kvcache_block_size=256, num_kvcache_blocks=16, max_num_seqs=2)
     assert run(llm) == reference[0]
+
+
+def test_a_failed_step_can_be_retried(tiny_qwen3, reference):
+    """A step that raises leaves nothing half-done: blocks shared within it are taken back (their K/V was never
+    written) and its prefills start again, so stepping on gives the same tokens."""
+    llm = LLM(tiny_qwen3, kvcache_block_size=BLOCK, num_kvcache_blocks=256)
+    original = llm.runner.launch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    llm.runner.launch = broken
+    ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    with pytest.raises(RuntimeError, match="fell over"):
+        llm.step()
+    bm = llm.scheduler.block_manager
+    bm.check_invariants()
+    assert not bm.hash_to_block_id, "nothing was computed, so nothing may be hit"
+    assert bm.num_free_blocks == bm.num_blocks
+    llm.runner.launch = original
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert [llm.pop_finished(i).outputs[0].token_ids for i in ids] == reference[0]

@@ -109,3 +109,51 @@ def test_one_token_chunk_in_the_decode_region_reads_its_own_token():
     assert batch.input_ids.tolist() == [4] and batch.positions.tolist() == [3]
     assert batch.meta.slot_mapping.tolist() == [3]
     assert batch.sampled_seq_indices == []
+
+
+def test_a_request_admitted_later_in_the_step_shares_the_blocks_an_earlier_one_fills():
+    sched = make(budget=64)
+    a = seq(9)
+    b = Sequence(list(range(1, 9)) + [50, 51], SamplingParams(max_tokens=3, ignore_eos=True))
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule() == [a, b]
+    assert b.num_cached_tokens == 8 and b.num_scheduled_tokens == 2, "b computes only its own tail"
+    assert b.block_table[:2] == a.block_table[:2]
+    assert a.num_cached_tokens == 0 and a.num_scheduled_tokens == 9, "a computes the shared blocks"
+
+
+def test_a_chunk_shares_only_the_blocks_it_fills():
+    sched = make(budget=6)  # a's first chunk: 6 tokens, one full block and half of the next
+    a = seq(9)
+    sched.add(a)
+    sched.schedule()
+    published = {blk.block_id for blk in sched.block_manager.blocks if blk.hash != -1}
+    assert published == {a.block_table[0]}
+
+
+def test_undo_step_takes_back_the_shared_blocks_and_requeues_the_prefills():
+    sched = make(budget=64)
+    a = seq(9)
+    b = Sequence(list(range(1, 9)) + [50, 51], SamplingParams(max_tokens=3, ignore_eos=True))
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both prefilled
+    c = seq(9)
+    d = Sequence(list(range(1, 5)) + [60, 61, 62, 63, 64], SamplingParams(max_tokens=3, ignore_eos=True))
+    sched.add(c)
+    sched.add(d)
+    cached = dict(sched.block_manager.hash_to_block_id)
+    batch = sched.schedule()
+    assert batch == [a, b, c, d] and d.num_cached_tokens == 4
+    sched.undo_step(batch)  # the step failed: its K/V may be missing
+    bm = sched.block_manager
+    bm.check_invariants()
+    assert bm.hash_to_block_id == cached, "only the blocks published for the failed step are taken back"
+    assert list(sched.waiting) == [c, d] and list(sched.running) == [a, b]
+    assert c.block_table == [] and d.block_table == [] and c.num_cached_tokens == 0
+    assert a.num_scheduled_tokens == 1 and a.num_tokens == 10, "decodes simply repeat"
+    while not sched.is_finished():
+        step(sched)
+    assert all(s.finish_reason == "length" for s in (a, b, c, d))
+    assert bm.num_free_blocks == bm.num_blocks

@@ -86,3 +86,16 @@ def test_async_scheduling_matches_sync_on_the_qwen3_shape():
         torch.cuda.empty_cache()
     assert results[True] == results[False]
     assert [len(t) for t in results[True]] == [p.max_tokens for p in params]
+
+
+def test_gpu_requests_share_the_blocks_filled_in_their_step(tiny_qwen3):
+    """Requests with one system prompt, admitted in one step, read the prompt's blocks that the first of them
+    fills in that step (Triton store, then Triton prefill attention), and give the unshared tokens."""
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(3, 380, (100,), generator=g).tolist()
+    batch = [system + torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 7, 30, 64)]
+    cpu = LLM(tiny_qwen3, device="cpu", dtype="float32", enable_prefix_caching=False, num_kvcache_blocks=64)
+    expected = [o.token_ids for o in cpu.generate(batch, GREEDY, use_tqdm=False)]
+    gpu = LLM(tiny_qwen3, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256)
+    assert [o.token_ids for o in gpu.generate(batch, GREEDY, use_tqdm=False)] == expected
+    assert gpu.scheduler.block_manager.num_hit_tokens == 3 * 96  # six full blocks each, after the first
