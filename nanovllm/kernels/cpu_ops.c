@@ -234,16 +234,61 @@ static inline void store_kv(void *dst, const float *src, int64_t n, int kv_f16) 
   memcpy(dst, src, n * sizeof(float));
 }
 
-/* out = RMSNorm(x [+ residual]) * weight, row by row; with a residual, summed = x + residual too. */
-void add_rms_norm_f32(const float *x, const float *residual, float *summed, const float *weight, float *out,
-                      int64_t rows, int64_t dim, float eps, int num_threads) {
+/* max_i |x[i]|, or 1 when every x[i] is 0 (a row's int8 scale: see normalize_rows_f32). */
+static inline float abs_max_or_one(const float *x, int64_t n) {
+  float m = 0.0f;
+  int64_t i = 0;
+#ifdef HAVE_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vm = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  m = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; i++) m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
+  return m > 0.0f ? m : 1.0f;
+}
+
+/* out[i] = x[i] * s (out may be x) */
+static inline void scale_f32(float *out, const float *x, float s, int64_t n) {
+  int64_t i = 0;
+#ifdef HAVE_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(s)));
+#endif
+  for (; i < n; i++) out[i] = x[i] * s;
+}
+
+/* With row_max (not NULL): row_max[r] = abs_max_or_one(out row r), and the row divided by it, as
+   normalize_rows_f32 would do next, while the row is still in L1. */
+static inline void normalize_row_into(float *o, int64_t n, float *row_max, int64_t r) {
+  if (!row_max) return;
+  const float m = abs_max_or_one(o, n);
+  row_max[r] = m;
+  scale_f32(o, o, 1.0f / m, n);
+}
+
+/* out = RMSNorm(x [+ residual]) * weight, row by row; with a residual, summed = x + residual too. x_scale (or
+   NULL): x's row r is x[r] * x_scale[r] (an int8 linear's product, its row scale not yet applied; only with a
+   residual). out_max (or NULL): normalize out's rows for the int8 linear that reads them (normalize_row_into). */
+void add_rms_norm_f32(const float *x, const float *x_scale, const float *residual, float *summed,
+                      const float *weight, float *out, float *out_max, int64_t rows, int64_t dim, float eps,
+                      int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= 16384)
   for (int64_t r = 0; r < rows; r++) {
     const float *xr = x + r * dim, *src = xr;
     if (residual) {
       const float *rr = residual + r * dim;
       float *sum = summed + r * dim;
-      for (int64_t i = 0; i < dim; i++) sum[i] = xr[i] + rr[i];
+      if (x_scale) {
+        /* two loops: the product is rounded before the add (not one fused multiply-add), so the result is the
+           one of scaling x first, bit for bit */
+        scale_f32(sum, xr, x_scale[r], dim);
+        for (int64_t i = 0; i < dim; i++) sum[i] += rr[i];
+      } else {
+        for (int64_t i = 0; i < dim; i++) sum[i] = xr[i] + rr[i];
+      }
       src = sum;
     }
     double sum_sq = 0.0;
@@ -252,6 +297,7 @@ void add_rms_norm_f32(const float *x, const float *residual, float *summed, cons
     const float inv = (float)(1.0 / sqrt(sum_sq / dim + eps));
     float *o = out + r * dim;
     for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (src[i] * inv);
+    normalize_row_into(o, dim, out_max, r);
   }
 }
 
@@ -261,47 +307,35 @@ void add_rms_norm_f32(const float *x, const float *residual, float *summed, cons
 void normalize_rows_f32(const float *x, float *out, float *scales, int64_t rows, int64_t dim, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= 65536)
   for (int64_t r = 0; r < rows; r++) {
-    const float *xr = x + r * dim;
-    float *o = out + r * dim;
-    float m = 0.0f;
-    int64_t i = 0;
-#ifdef HAVE_AVX2
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 vm = _mm256_setzero_ps();
-    for (; i + 8 <= dim; i += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + i)));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    m = _mm_cvtss_f32(h);
-#endif
-    for (; i < dim; i++) m = fabsf(xr[i]) > m ? fabsf(xr[i]) : m;
-    m = m > 0.0f ? m : 1.0f;
+    const float m = abs_max_or_one(x + r * dim, dim);
     scales[r] = m;
-    const float inv = 1.0f / m;
-    i = 0;
-#ifdef HAVE_AVX2
-    for (; i + 8 <= dim; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(xr + i), _mm256_set1_ps(inv)));
-#endif
-    for (; i < dim; i++) o[i] = xr[i] * inv;
+    scale_f32(out + r * dim, x + r * dim, 1.0f / m, dim);
   }
 }
 
-/* out[r, i] = silu(gate[r, i]) * up[r, i] over a packed [gate | up] row of 2 * half. */
-void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t half, int num_threads) {
+/* out[r, i] = silu(gate[r, i]) * up[r, i] over a packed [gate | up] row of 2 * half. in_scale (or NULL): the
+   row is gate_up[r] * in_scale[r] (see add_rms_norm_f32's x_scale); out_max (or NULL): see add_rms_norm_f32. */
+void silu_and_mul_f32(const float *gate_up, const float *in_scale, float *out, float *out_max, int64_t rows,
+                      int64_t half, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * half >= 65536)
   for (int64_t r = 0; r < rows; r++) {
     const float *g = gate_up + r * 2 * half, *u = g + half;
+    const float s = in_scale ? in_scale[r] : 1.0f;
     float *o = out + r * half;
     int64_t i = 0;
 #ifdef HAVE_AVX2
-    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 one = _mm256_set1_ps(1.0f), vs = _mm256_set1_ps(s);
     for (; i + 8 <= half; i += 8) {
-      const __m256 vg = _mm256_loadu_ps(g + i);
+      const __m256 vg = _mm256_mul_ps(_mm256_loadu_ps(g + i), vs);
       const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), vg))));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(vg, sig), _mm256_loadu_ps(u + i)));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(vg, sig), _mm256_mul_ps(_mm256_loadu_ps(u + i), vs)));
     }
 #endif
-    for (; i < half; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (; i < half; i++) {
+      const float gi = g[i] * s;
+      o[i] = gi / (1.0f + expf(-gi)) * (u[i] * s);
+    }
+    normalize_row_into(o, half, out_max, r);
   }
 }
 

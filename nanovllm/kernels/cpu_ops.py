@@ -36,8 +36,8 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPI
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
-    "add_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _F, _I32],
-    "silu_and_mul_f32": [_P, _P, _I64, _I64, _I32],
+    "add_rms_norm_f32": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _F, _I32],
+    "silu_and_mul_f32": [_P, _P, _P, _P, _I64, _I64, _I32],
     "normalize_rows_f32": [_P, _P, _P, _I64, _I64, _I32],
     "rope_store_attention_f32": [_P, _I64, _P, _P, _P, _P, _P, _F, _P, _P, _I32, _P, _I64, _P, _P, _P, _P,
                                  _I64, _I64, _I64, _I64, _I64, _F, _I32],
@@ -130,23 +130,31 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 x_scale: torch.Tensor | None = None, normalize_out: bool = False):
     """RMSNorm(x) * weight, or with a residual (RMSNorm(x + residual) * weight, x + residual).
-    x, residual: [rows, dim] contiguous float32."""
+    x, residual: [rows, dim] contiguous float32. x_scale ([rows, 1], with a residual only): x's rows are
+    x * x_scale. normalize_out: the output comes as normalize_rows' pair (out / m, m) instead of out."""
     rows, dim = x.shape
+    assert x_scale is None or residual is not None
     out = torch.empty_like(x)
+    out_max = x.new_empty(rows, 1) if normalize_out else None
     summed = None if residual is None else torch.empty_like(x)
-    load().add_rms_norm_f32(x.data_ptr(), _ptr(residual), _ptr(summed), weight.data_ptr(), out.data_ptr(), rows,
-                            dim, eps, torch.get_num_threads())
-    return out if residual is None else (out, summed)
+    load().add_rms_norm_f32(x.data_ptr(), _ptr(x_scale), _ptr(residual), _ptr(summed), weight.data_ptr(),
+                            out.data_ptr(), _ptr(out_max), rows, dim, eps, torch.get_num_threads())
+    normed = (out, out_max) if normalize_out else out
+    return normed if residual is None else (normed, summed)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a packed [rows, 2 * half] contiguous float32 tensor -> [rows, half]."""
+def silu_and_mul(gate_up: torch.Tensor, in_scale: torch.Tensor | None = None, normalize_out: bool = False):
+    """silu(gate) * up of a packed [rows, 2 * half] contiguous float32 tensor -> [rows, half]. in_scale ([rows, 1]):
+    gate_up's rows are gate_up * in_scale. normalize_out: see add_rms_norm."""
     rows, width = gate_up.shape
     out = gate_up.new_empty(rows, width // 2)
-    load().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
-    return out
+    out_max = gate_up.new_empty(rows, 1) if normalize_out else None
+    load().silu_and_mul_f32(gate_up.data_ptr(), _ptr(in_scale), out.data_ptr(), _ptr(out_max), rows, width // 2,
+                            torch.get_num_threads())
+    return (out, out_max) if normalize_out else out
 
 
 def normalize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,24 @@ def int8_weight(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_prepack(quantized, None)
 
 
+class RowScaled(NamedTuple):
+    """Rows given as ``values * scale`` (scale [rows, 1]), under ``cpu_int8``: what an int8 linear reads (values
+    normalized to a largest magnitude of 1 by the norm or activation that wrote them) and what it returns when the
+    op after it applies the scale itself (see int8_linear). Each saves a pass over the tensor."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return self.values * self.scale
+
+
+def fbgemm_takes(rows: int) -> bool:
+    """Whether an int8 step of this many rows multiplies through fbgemm (int8_linear), which reads RowScaled; fewer
+    rows take the compiled matrix-vector kernel, which reads plain rows."""
+    return rows > cpu_ops.LINEAR_I8_MAX_ROWS
+
+
 def normalize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / m, m), m each row's largest magnitude ([..., 1]; 1 for a row of zeros)."""
     if x.dim() == 2 and x.is_contiguous() and cpu_ops.usable(x):
@@ -103,14 +122,19 @@ def normalize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x / row_max, row_max
 
 
-def int8_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor | RowScaled, packed: torch.Tensor, bias: torch.Tensor | None,
+                keep_row_scale: bool = False) -> torch.Tensor | RowScaled:
     """y = x W^T (+ b) with a weight from int8_weight; x float32 [..., in] is quantized per call (reduce_range:
     7-bit activations, so AVX2's 16-bit pairwise sums of int8 products cannot saturate) with a scale per row:
-    fbgemm takes one scale for the whole tensor, so each row is divided by its largest magnitude first and the
-    product's row multiplied back. One scale for all rows let the few tokens with outsized activations (a
-    prompt's first, say) coarsen every other row (see the module docstring)."""
-    normalized, row_max = normalize_rows(x)
-    y = torch.ops.quantized.linear_dynamic(normalized, packed, True).mul_(row_max)
+    fbgemm takes one scale for the whole tensor, so each row is divided by its largest magnitude first (unless x
+    comes normalized, a RowScaled) and the product's row multiplied back (unless keep_row_scale, and no bias:
+    then y comes as RowScaled). One scale for all rows let the few tokens with outsized activations (a prompt's
+    first, say) coarsen every other row (see the module docstring)."""
+    normalized, row_max = x if isinstance(x, RowScaled) else normalize_rows(x)
+    y = torch.ops.quantized.linear_dynamic(normalized, packed, True)
+    if keep_row_scale and bias is None:
+        return RowScaled(y, row_max)
+    y.mul_(row_max)
     return y if bias is None else y + bias
 
 
@@ -143,6 +167,9 @@ class CpuPackedMatmul:
     # 1.2-2x faster than torch's int8 linear at one row); None without the compiled ops
     int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     fp16_packed: torch.Tensor | None = None
+    # int8: return the product as RowScaled, its row scale left to the op that reads it (set by the model, which
+    # knows which ops follow which layer: see DecoderForCausalLM.use_row_scales)
+    keeps_row_scale = False
 
     def pack_for_cpu(self, release: bool = True, pack: bool = True, int8: bool = False, fp16: bool = False,
                      int8_rows: bool = False) -> None:
@@ -162,13 +189,17 @@ class CpuPackedMatmul:
         if release and (pack or int8 or fp16):
             self.weight.data = self.weight.data.new_empty(0)
 
-    def cpu_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """y = x W^T (+ b) through whichever copy of the weight fits x."""
-        if (self.int8_rows is not None and x.dim() == 2 and x.shape[0] <= cpu_ops.LINEAR_I8_MAX_ROWS
-                and x.is_contiguous()):
+    def cpu_matmul(self, x: torch.Tensor | RowScaled, bias: torch.Tensor | None) -> torch.Tensor | RowScaled:
+        """y = x W^T (+ b) through whichever copy of the weight fits x (RowScaled only under int8)."""
+        values = x.values if isinstance(x, RowScaled) else x
+        few_rows = (self.int8_rows is not None and values.dim() == 2 and not fbgemm_takes(values.shape[0])
+                    and values.is_contiguous())
+        if isinstance(x, RowScaled) and (few_rows or self.int8_packed is None):
+            x = x.materialize()
+        if few_rows:
             return cpu_ops.linear_i8(x, self.int8_rows, bias)
         if self.int8_packed is not None:
-            return int8_linear(x, self.int8_packed, bias)
+            return int8_linear(x, self.int8_packed, bias, self.keeps_row_scale)
         if self.fp16_packed is not None:
             return fp16_linear(x, self.fp16_packed, bias)
         if self.packed_weight is not None:
@@ -204,4 +235,6 @@ def pack_model_for_cpu(model: torch.nn.Module, int8: bool = False, fp16: bool = 
             pack_module(release=users[id(module.weight)] == 1, pack=pack, int8=layer_int8,
                         fp16=is_float32 and fp16 and not layer_int8, int8_rows=layer_int8)
             count += 1
+    if int8 and hasattr(model, "use_row_scales"):
+        model.use_row_scales()  # the model knows which op reads which layer's output
     return count

@@ -230,6 +230,64 @@ def test_engine_with_int8_linears_tracks_float32(tiny_qwen3):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_int8_row_scales_handed_between_ops_give_the_same_logits(tiny_qwen3, monkeypatch):
+    """Under cpu_int8 the norms and the activation write their rows normalized for the int8 linears, and o_proj,
+    gate_up_proj and down_proj leave their row scale to the op after them (layers/cpu.RowScaled): the logits are
+    those of applying every scale at the linear, bit for bit (the same roundings in the same order)."""
+    llm = LLM(tiny_qwen3, cpu_int8=True, kvcache_block_size=16, num_kvcache_blocks=32, dtype="float32",
+              enable_prefix_caching=False)
+    model = llm.runner.model
+    layers = model.model.layers
+    handed = {"in": 0, "out": 0}
+    original_linear = cpu.int8_linear
+
+    def spy(x, packed, bias, keep_row_scale=False):
+        y = original_linear(x, packed, bias, keep_row_scale)
+        handed["in"] += isinstance(x, cpu.RowScaled)
+        handed["out"] += isinstance(y, cpu.RowScaled)
+        return y
+
+    monkeypatch.setattr(cpu, "int8_linear", spy)
+    prompts = [list(range(3, 30)), [7] * 5 + list(range(100, 140)), [300, 2, 45]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # 3 rows a decode step: fbgemm
+
+    def logits():
+        captured = []
+        original = model.compute_logits
+        model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]
+        llm.generate(prompts, params, use_tqdm=False)
+        model.compute_logits = original
+        return torch.cat(captured)
+
+    handed_on = logits()
+    # 4 steps x 2 layers: qkv, gate_up and down read normalized rows; o, gate_up and down hand theirs on
+    assert handed == {"in": 4 * 2 * 3, "out": 4 * 2 * 3}
+    for layer in layers:
+        layer.input_layernorm.emits_row_scaled = layer.post_attention_layernorm.emits_row_scaled = False
+        layer.mlp.act.emits_row_scaled = False
+        for linear in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.keeps_row_scale = False
+    handed.update({"in": 0, "out": 0})
+    applied_at_the_linear = logits()
+    assert handed == {"in": 0, "out": 0}
+    assert torch.equal(handed_on, applied_at_the_linear), "the same roundings in the same order"
+
+
+def test_row_scaled_input_reaches_every_linear_path():
+    """A RowScaled input (normalized rows + their scales) gives the plain input's product on int8's few-row kernel,
+    fbgemm, and a layer without int8 weights."""
+    torch.manual_seed(2)
+    x = torch.randn(6, 64)
+    scaled = cpu.RowScaled(*cpu.normalize_rows(x))
+    for kwargs in ({"int8": True}, {"int8": True, "int8_rows": True}, {"pack": False}):
+        layer = QKVParallelLinear(64, 16, 4, 2)
+        layer.weight.data.normal_()
+        layer.pack_for_cpu(**kwargs)
+        for rows in (1, 6):
+            part = cpu.RowScaled(scaled.values[:rows], scaled.scale[:rows])
+            torch.testing.assert_close(layer(part), layer(x[:rows]), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("flag", ["cpu_int8", "cpu_fp16"])
 def test_cpu_weight_formats_warn_where_they_do_not_apply(flag):
     with pytest.warns(UserWarning, match=f"{flag} applies to float32 models on the CPU only.*bfloat16"):

@@ -39,6 +39,32 @@ def test_add_rms_norm_matches_torch(rows, dim, with_residual) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def _normalized_ref(out):
+    row_max = out.abs().amax(1, keepdim=True)
+    row_max = torch.where(row_max > 0, row_max, torch.ones_like(row_max))
+    return out / row_max, row_max
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (3, 37), (64, 1536)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_with_row_scales_in_and_out(rows, dim, with_residual) -> None:
+    """x's rows scaled on the way in (an int8 linear's product), the output normalized for the next one."""
+    torch.manual_seed(5)
+    x, residual, weight = torch.randn(rows, dim), torch.randn(rows, dim), torch.rand(dim) + 0.5
+    x_scale = torch.logspace(-2, 2, rows)[:, None]
+    if with_residual:
+        (out, out_max), summed = cpu_ops.add_rms_norm(x, weight, 1e-5, residual, x_scale, normalize_out=True)
+        torch.testing.assert_close(summed, x * x_scale + residual, rtol=1e-6, atol=1e-6)
+        ref = F.rms_norm(x * x_scale + residual, (dim,), weight, 1e-5)
+    else:
+        out, out_max = cpu_ops.add_rms_norm(x, weight, 1e-5, normalize_out=True)
+        ref = F.rms_norm(x, (dim,), weight, 1e-5)
+    ref_out, ref_max = _normalized_ref(ref)
+    torch.testing.assert_close(out_max, ref_max, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out * out_max, ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows,dim", [(1, 576), (3, 37), (64, 1536)])
 def test_normalize_rows_matches_torch(rows, dim) -> None:
     torch.manual_seed(4)
@@ -57,6 +83,17 @@ def test_silu_and_mul_matches_torch(rows, half) -> None:
     gate_up = torch.randn(rows, 2 * half) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,half", [(1, 1536), (5, 100), (64, 1536)])
+def test_silu_and_mul_with_row_scales_in_and_out(rows, half) -> None:
+    torch.manual_seed(6)
+    gate_up, in_scale = torch.randn(rows, 2 * half), torch.logspace(-1, 1, rows)[:, None]
+    out, out_max = cpu_ops.silu_and_mul(gate_up, in_scale, normalize_out=True)
+    gate, up = (gate_up * in_scale).chunk(2, dim=-1)
+    ref_out, ref_max = _normalized_ref(F.silu(gate) * up)
+    torch.testing.assert_close(out_max, ref_max, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
 
 
 def _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads):
