@@ -339,6 +339,41 @@ void silu_and_mul_f32(const float *gate_up, const float *in_scale, float *out, f
   }
 }
 
+/* The index of row's largest value, as torch.argmax gives it: the first of equal maxima, and the first NaN if
+   there is one. */
+static int64_t argmax_row(const float *x, int64_t n) {
+  float best = -INFINITY;
+  int has_nan = 0;
+  int64_t i = 0;
+#ifdef HAVE_AVX2
+  __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
+  has_nan = _mm256_movemask_ps(nan) != 0;
+#endif
+  for (; i < n; i++) {
+    has_nan |= x[i] != x[i];
+    best = x[i] > best ? x[i] : best;
+  }
+  for (i = 0; i < n; i++)
+    if (has_nan ? x[i] != x[i] : x[i] == best) return i;
+  return 0;
+}
+
+/* out[r] = argmax of row r (argmax_row); rows lie row_stride floats apart. A greedy step's [rows, vocab] logits
+   in one pass per row, where torch's argmax takes ~4 ms for 64 x 49152 on one core. */
+void argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t cols, int64_t row_stride,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= 65536)
+  for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * row_stride, cols);
+}
+
 /* x (head_dim floats) -> RMSNorm(x) * weight in place. */
 static void head_rms_norm(float *x, const float *weight, int64_t head_dim, float eps) {
   double sum_sq = 0.0;

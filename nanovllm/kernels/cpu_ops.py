@@ -39,6 +39,7 @@ SIGNATURES = {
     "add_rms_norm_f32": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _F, _I32],
     "silu_and_mul_f32": [_P, _P, _P, _P, _I64, _I64, _I32],
     "normalize_rows_f32": [_P, _P, _P, _I64, _I64, _I32],
+    "argmax_rows_f32": [_P, _P, _I64, _I64, _I64, _I32],
     "rope_store_attention_f32": [_P, _I64, _P, _P, _P, _P, _P, _F, _P, _P, _I32, _P, _I64, _P, _P, _P, _P,
                                  _I64, _I64, _I64, _I64, _I64, _F, _I32],
     "linear_i8_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
@@ -201,6 +202,14 @@ LINEAR_I8_MAX_ROWS = 2
 
 # linear_i8 quantizes its input in blocks of this many values (cpu_ops.c's QBLOCK)
 QUANT_BLOCK = 32
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a [rows, cols] float32 tensor whose rows are contiguous -> int64 [rows]."""
+    rows, cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    load().argmax_rows_f32(x.data_ptr(), out.data_ptr(), rows, cols, x.stride(0), torch.get_num_threads())
+    return out
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

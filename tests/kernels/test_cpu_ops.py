@@ -96,6 +96,19 @@ def test_silu_and_mul_with_row_scales_in_and_out(rows, half) -> None:
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (3, 37), (64, 1000)])
+def test_argmax_rows_matches_torch(rows, cols) -> None:
+    torch.manual_seed(7)
+    x = torch.randn(rows, cols + 5)[:, :cols]  # rows apart by more than their length
+    torch.testing.assert_close(cpu_ops.argmax_rows(x), x.argmax(-1), rtol=0, atol=0)
+    if rows < 3:
+        return
+    x[0, :] = float("-inf")  # every token banned: the first
+    x[1, cols // 2] = x[1, cols - 1] = x[1].max() + 1  # equal maxima: the first of them
+    x[2, cols // 3] = x[2, cols - 1] = float("nan")  # NaNs win, as in torch: the first of them
+    torch.testing.assert_close(cpu_ops.argmax_rows(x), x.argmax(-1), rtol=0, atol=0)
+
+
 def _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads):
     """The torch reference of the kernel's first half: q/k norm and RoPE of every row, K/V stored into copies of
     the caches. Returns (q [rows, num_heads, head_dim], k_cache copy, v_cache copy)."""
