@@ -8,8 +8,9 @@ One run measures, on the same chat prompts (greedy, --max-tokens new tokens, EOS
 - llama.cpp through llama-cpp-python, one request at a time (``--num-single``), on the same GGUF file.
 
 Throughput = generated tokens / wall time (prefill included), after one warm-up call per engine. With
-``--repeat N`` every part runs N times, interleaved, and the best time counts (the machine may be shared); each
-of our parts starts from an empty prefix cache.
+``--repeat N`` every part runs N times, interleaved (llama.cpp's too: it stays loaded in its worker process), and
+the best time counts (the machine may be shared, and its speed drifts); each of our parts starts from an empty
+prefix cache. The JSON keeps every repetition's figure.
 Prints a table and our ratio to each peer, and writes JSON.
 
 llama-cpp-python lives in its own environment: ``--llama-python /path/to/python`` (default: $LLAMA_PYTHON,
@@ -134,11 +135,11 @@ def run_hf(args, prompts: list[list[int]], model_path: str, pad_id: int) -> dict
 # -- llama.cpp (in its own interpreter) ------------------------------------------------------------------------
 LLAMA_WORKER = r"""
 import json, sys, time
-job = json.load(sys.stdin)
+job = json.loads(sys.stdin.readline())
 try:
     import llama_cpp
 except ImportError as e:
-    print(json.dumps({"error": f"no llama_cpp in {sys.executable}: {e}"})); sys.exit(0)
+    print(json.dumps({"error": f"no llama_cpp in {sys.executable}: {e}"}), flush=True); sys.exit(0)
 llm = llama_cpp.Llama(model_path=job["model"], n_ctx=job["n_ctx"], n_threads=job["threads"],
                       n_threads_batch=job["threads"], n_batch=512, verbose=False, seed=0)
 
@@ -151,16 +152,15 @@ def one(prompt, max_tokens):
     return out
 
 one(job["prompts"][0], 8)
-results = []
-for _ in range(job["repeat"]):
+print(json.dumps({"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode()}),
+      flush=True)
+for _ in sys.stdin:  # one line per repetition, answered by [tokens, seconds]
     tokens, seconds = 0, 0.0
     for p in job["prompts"]:
         start = time.perf_counter()
         tokens += len(one(p, job["max_tokens"]))
         seconds += time.perf_counter() - start
-    results.append([tokens, seconds])
-print(json.dumps({"runs": results, "version": llama_cpp.__version__,
-                  "system_info": llama_cpp.llama_print_system_info().decode()}))
+    print(json.dumps([tokens, seconds]), flush=True)
 """
 
 
@@ -169,20 +169,41 @@ def find_llama_python(requested: str | None) -> str:
         DEFAULT_LLAMA_PYTHON if os.path.exists(DEFAULT_LLAMA_PYTHON) else sys.executable)
 
 
-def run_llama_cpp(args, prompts: list[list[int]], model_path: str, repeat: int) -> dict:
-    python = find_llama_python(args.llama_python)
-    job = {"model": model_path, "prompts": prompts[:args.num_single], "max_tokens": args.max_tokens,
-           "threads": args.threads, "n_ctx": max(map(len, prompts)) + args.max_tokens + 8, "repeat": repeat}
-    try:
-        done = subprocess.run([python, "-c", LLAMA_WORKER], input=json.dumps(job), capture_output=True, text=True,
-                              check=False, timeout=3600)
-    except OSError as e:
-        return {"error": f"cannot run {python}: {e}"}
-    if done.returncode != 0 or not done.stdout.strip():
-        return {"error": f"{python} failed (exit {done.returncode}): {done.stderr.strip()[-500:]}"}
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["python"] = python
-    return result
+class LlamaCpp:
+    """llama.cpp in a worker process of its own Python, loaded once; ``single()`` runs one repetition of the
+    one-at-a-time part there, so its repetitions interleave with the other engines' (the machine's speed drifts)."""
+
+    def __init__(self, args, prompts: list[list[int]], model_path: str):
+        self.python = find_llama_python(args.llama_python)
+        job = {"model": model_path, "prompts": prompts[:args.num_single], "max_tokens": args.max_tokens,
+               "threads": args.threads, "n_ctx": max(map(len, prompts)) + args.max_tokens + 8}
+        self.info: dict = {}
+        try:
+            self.process = subprocess.Popen([self.python, "-c", LLAMA_WORKER], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        except OSError as e:
+            self.error = f"cannot run {self.python}: {e}"
+            return
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.info = self._reply() or {"error": f"{self.python} failed: {self.process.stderr.read().strip()[-500:]}"}
+        self.error = self.info.get("error")
+        self.info["python"] = self.python
+
+    def _reply(self):
+        line = self.process.stdout.readline()
+        return json.loads(line) if line.strip() else None
+
+    def single(self) -> tuple[int, float]:
+        self.process.stdin.write("run\n")
+        reply = self._reply()
+        if reply is None:
+            raise RuntimeError(f"the llama.cpp worker died: {self.process.stderr.read().strip()[-500:]}")
+        return reply[0], reply[1]
+
+    def close(self) -> None:
+        if getattr(self, "process", None) is not None:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -235,8 +256,16 @@ def main() -> None:
             engines[engine["name"]] = engine
     if "hf" not in args.skip:
         engines["hf"] = run_hf(args, prompts, args.model, pad_id)
+    llama = None
+    if "llama.cpp" not in args.skip:
+        llama = LlamaCpp(args, prompts, args.model)
+        if llama.error:
+            print(f"llama.cpp skipped: {llama.error}")
+        else:
+            engines["llama.cpp"] = {"parts": {"llama.cpp single": llama.single}}
 
     best: dict[str, dict] = {}
+    runs: dict[str, list[float]] = {}  # tok/s of every repetition
     for _ in range(args.repeat):
         for engine in engines.values():
             for name, part in engine["parts"].items():
@@ -246,22 +275,15 @@ def main() -> None:
                        "load_after": load_note()}
                 print(f"  {name}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s "
                       f"(load {before['load1']})", flush=True)
+                runs.setdefault(name, []).append(round(row["tok_s"], 2))
                 if name not in best or row["tok_s"] > best[name]["tok_s"]:
                     best[name] = row
         ours = [e for e in engines.values() if "maxrss" in e]
         if ours:
             rss = ours[0]["maxrss"]()  # the process's peak: every configuration's engine lives in it
 
-    llama = None
-    if "llama.cpp" not in args.skip:
-        before = load_note()
-        llama = run_llama_cpp(args, prompts, args.model, args.repeat)
-        if "error" in llama:
-            print(f"llama.cpp skipped: {llama['error']}")
-        else:
-            tokens, seconds = min(llama["runs"], key=lambda r: r[1] / r[0])
-            best["llama.cpp single"] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-                                        "load_before": before, "load_after": load_note()}
+    if llama is not None:
+        llama.close()
 
     print(f"\n{'engine / mode':<48}{'tokens':>8}{'seconds':>10}{'tok/s':>10}")
     for name, row in best.items():
@@ -285,11 +307,11 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "cpu_flags": cpu_flags(), "torch": torch.__version__, "model": args.model,
         "max_tokens": args.max_tokens, "prompt_tokens": [len(p) for p in prompts[:count]],
-        "threads": args.threads, "repeat": args.repeat, "results": best, "ratios": ratios,
+        "threads": args.threads, "repeat": args.repeat, "results": best, "runs_tok_s": runs, "ratios": ratios,
         "engine_args": args.engine_args,
         "nanovllm": {e["name"]: e["info"] for e in engines.values() if "name" in e} or None,
         "nanovllm_peak_rss_bytes": rss,
-        "llama_cpp": {k: v for k, v in (llama or {}).items() if k != "runs"} or None,
+        "llama_cpp": llama.info if llama is not None else None,
     }
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -25,6 +25,12 @@ from nanovllm.distributed.state import min_across_ranks
 
 log = logging.getLogger(__name__)
 
+# torch keeps a group's symmetric-memory setup by the group's name, and a process group created after an earlier
+# one was destroyed gets the same name: a second rendezvous in this process would then wait forever on the old
+# group's store while fresh worker processes use the new one (seen: a second tensor-parallel engine in one
+# process hung). So a process sets it up once; later engines in it all-reduce through NCCL.
+_set_up_in_this_process = False
+
 DEFAULT_MAX_BYTES = 8 << 20  # two-shot beat NCCL up to 1024 x 4096 bf16 (8 MiB) in the measurement
 _ALIGN_ELEMENTS = 16  # the operation splits the tensor into per-rank shares of 16-byte vectors
 
@@ -38,7 +44,14 @@ class SymmetricAllReduce:
     @classmethod
     def create(cls, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> SymmetricAllReduce | None:
         """A collective over the default group: every rank gets one, or every rank gets None (NCCL then)."""
+        global _set_up_in_this_process
         world = dist.get_world_size()
+        # decided together before any rendezvous: a rank that skipped it would leave the others waiting
+        if not _all_ranks_agree(not _set_up_in_this_process, device):
+            log.warning("peer-to-peer all-reduce is set up once per process (an earlier engine here used it); "
+                        "this engine all-reduces through NCCL")
+            return None
+        _set_up_in_this_process = True
         buffer, group_name, reason = None, dist.group.WORLD.group_name, ""
         try:
             import torch.distributed._symmetric_memory as symm_mem
