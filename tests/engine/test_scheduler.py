@@ -111,12 +111,18 @@ def test_one_token_chunk_in_the_decode_region_reads_its_own_token():
     assert batch.sampled_seq_indices == []
 
 
-def test_a_request_admitted_later_in_the_step_shares_the_blocks_an_earlier_one_fills():
-    sched = make(budget=64)
+def two_sharing_a_prefix(sched):
+    """a (9 tokens) and b, whose first two blocks are a's, queued in that order."""
     a = seq(9)
     b = Sequence(list(range(1, 9)) + [50, 51], SamplingParams(max_tokens=3, ignore_eos=True))
     sched.add(a)
     sched.add(b)
+    return a, b
+
+
+def test_a_request_admitted_later_in_the_step_shares_the_blocks_an_earlier_one_fills():
+    sched = make(budget=64)
+    a, b = two_sharing_a_prefix(sched)
     assert sched.schedule() == [a, b]
     assert b.num_cached_tokens == 8 and b.num_scheduled_tokens == 2, "b computes only its own tail"
     assert b.block_table[:2] == a.block_table[:2]
@@ -134,10 +140,7 @@ def test_a_chunk_shares_only_the_blocks_it_fills():
 
 def test_undo_step_takes_back_the_shared_blocks_and_requeues_the_prefills():
     sched = make(budget=64)
-    a = seq(9)
-    b = Sequence(list(range(1, 9)) + [50, 51], SamplingParams(max_tokens=3, ignore_eos=True))
-    sched.add(a)
-    sched.add(b)
+    a, b = two_sharing_a_prefix(sched)
     step(sched)  # both prefilled
     c = seq(9)
     d = Sequence(list(range(1, 5)) + [60, 61, 62, 63, 64], SamplingParams(max_tokens=3, ignore_eos=True))
