@@ -175,12 +175,22 @@ class Scheduler:
             self.block_manager.enable_prefix_caching = saved
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        self.stats.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """seq (in no queue now) gives its blocks back and waits at the front, to be computed from the start."""
         seq.status = SequenceStatus.WAITING
         seq.is_prefill = True
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
-        self.stats.num_preemptions += 1
+
+    def _dequeue(self, seq: Sequence) -> None:
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                return
 
     def undo_step(self, seqs: list[Sequence]) -> None:
         """The step scheduled as ``seqs`` failed: its K/V may be missing. Blocks published for it are taken
@@ -191,13 +201,8 @@ class Scheduler:
         for seq in reversed(seqs):
             if seq.is_finished or not seq.is_prefill:
                 continue
-            for queue in (self.waiting, self.running):
-                if seq in queue:
-                    queue.remove(seq)
-            seq.status = SequenceStatus.WAITING
-            seq.num_scheduled_tokens = 0
-            self.block_manager.deallocate(seq)
-            self.waiting.appendleft(seq)
+            self._dequeue(seq)
+            self._requeue(seq)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
         """Record the step: advance progress, append sampled tokens, finish requests. Returns the finished.
@@ -249,10 +254,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End an unfinished sequence now (the engine's stop strings) and free its blocks."""
-        for queue in (self.running, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
-                break
+        self._dequeue(seq)
         self._finish(seq, reason, stop_reason)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
