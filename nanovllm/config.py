@@ -13,6 +13,8 @@ DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+# the KV cache also takes int8 on the CPU (a scale per token and KV head: kernels/cpu_ops.py)
+KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
@@ -53,7 +55,8 @@ class EngineConfig:
     cpu_fp16: bool = False
     # the KV cache's dtype: auto = the model's, but float16 under cpu_int8 (whose int8 rounding is far coarser:
     # half the bytes a token read each step, twice the tokens in a pool; 3-7 % more tokens/s at 64 requests);
-    # on the CPU also float16 or bfloat16 under a float32 model; on CUDA only the model's dtype
+    # on the CPU also float16 or bfloat16 under a float32 model, or int8 (float32 models with the compiled CPU
+    # ops: a scale per token and KV head, 68 bytes a row of 64 instead of 128); on CUDA only the model's dtype
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -78,8 +81,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}.")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.kv_cache_dtype!r}.")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -96,6 +100,9 @@ class EngineConfig:
             if getattr(self, flag) and (self.is_cuda or self.torch_dtype != torch.float32):
                 warnings.warn(f"{flag} applies to float32 models on the CPU only; ignored here (device "
                               f"{self.device!r}, dtype {self.torch_dtype})", stacklevel=3)
+        if self.kv_torch_dtype == torch.int8 and not self.is_cuda and self.torch_dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype 'int8' needs a float32 model on the CPU (the compiled attention reads "
+                             f"it from float32 activations), got dtype {self.torch_dtype}: add dtype='float32'.")
         if self.is_cuda and self.kv_torch_dtype != self.torch_dtype:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} differs from the model's dtype "
                              f"({self.torch_dtype}): on CUDA the KV cache takes the model's dtype ('auto').")
@@ -129,7 +136,7 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         if self.kv_cache_dtype != "auto":
-            return DTYPES[self.kv_cache_dtype]
+            return KV_CACHE_DTYPES[self.kv_cache_dtype]
         if self.cpu_int8 and not self.is_cuda and self.torch_dtype == torch.float32:
             return torch.float16
         return self.torch_dtype

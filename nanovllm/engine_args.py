@@ -38,9 +38,10 @@ HELP = {
                 "channel) by int8-quantized activations (per row): about 2x faster matmuls, a quarter of the "
                 "weight bytes, int8 rounding (greedy tokens differ from float32's more than with --cpu-fp16); "
                 "the KV cache defaults to float16",
-    "kv_cache_dtype": "auto (the model's dtype; float16 under --cpu-int8), float32, float16 or bfloat16; other "
-                      "than the model's: CPU only (e.g. float16 under a float32 model: twice the tokens in the "
-                      "same pool, float16 rounding)",
+    "kv_cache_dtype": "auto (the model's dtype; float16 under --cpu-int8), float32, float16, bfloat16 or int8; "
+                      "other than the model's: CPU only (e.g. float16 under a float32 model: twice the tokens in "
+                      "the same pool, float16 rounding; int8: float32 models with the compiled CPU ops, a scale "
+                      "per token and KV head, 1.9x float16's tokens in the same pool, coarser rounding)",
 }
 
 

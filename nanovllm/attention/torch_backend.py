@@ -246,6 +246,9 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
+        if k_cache.dtype == torch.int8:  # only forward_qkv's compiled kernel reads its rows' scales
+            raise ValueError(f"kv_cache_dtype 'int8' needs the compiled CPU attention, which this step cannot use "
+                             f"(activations {q.dtype} on {q.device}): use kv_cache_dtype 'auto'.")
         if q.device.type == "cpu":
             return self._forward_cpu(q, k, v, k_cache, v_cache, meta, scale)
         store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -21,6 +21,7 @@ from nanovllm.engine.sampling import (
     wants_prompt_logprobs,
 )
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import cpu_ops
 from nanovllm.layers.cpu import pack_model_for_cpu
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
@@ -94,9 +95,9 @@ class ModelRunner:
     # -- KV pool -------------------------------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        layer = self.model.attention_layers()[0]
-        per_token = 2 * len(self.model.attention_layers()) * layer.num_kv_heads * layer.head_dim
-        return per_token * self.block_size * self.config.kv_torch_dtype.itemsize
+        layers, dtype = self.model.attention_layers(), self.config.kv_torch_dtype
+        row = cpu_ops.kv_cache_row_width(dtype, layers[0].head_dim)
+        return 2 * len(layers) * layers[0].num_kv_heads * row * self.block_size * dtype.itemsize
 
     def _decide_num_blocks(self) -> int:
         config = self.config
@@ -161,10 +162,13 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
-        head = layers[0]
-        # [k/v, layer, block, offset, kv_head, head_dim]
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, head.num_kv_heads, head.head_dim,
-                                    dtype=self.config.kv_torch_dtype, device=self.device)
+        head, dtype = layers[0], self.config.kv_torch_dtype
+        if dtype == torch.int8 and cpu_ops.load() is None:
+            raise ValueError("kv_cache_dtype 'int8' is read by the compiled CPU ops only, and they did not build (no "
+                             "C compiler, or NANOVLLM_CPU_KERNELS=0): use 'auto' or 'float16'.")
+        # [k/v, layer, block, offset, kv_head, head_dim (int8: + its scale's 4 bytes)]
+        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, head.num_kv_heads,
+                                    cpu_ops.kv_cache_row_width(dtype, head.head_dim), dtype=dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.bind(self.kv_cache[0, i], self.kv_cache[1, i], self.backend)
 

@@ -88,7 +88,12 @@ static inline float exp_shifted_sum(float *s, float shift, int64_t n) {
   return sum;
 }
 
-/* A KV cache of float16 (kv_f16) or float32 values: the rows the attention reads and writes, as float32. */
+/* How the KV cache holds one (token, KV head) row of head_dim values: float32, float16 (kv_f16_supported()), or
+   int8 followed by the row's float32 scale (value = int8 * scale; symmetric, the row's largest magnitude / 127).
+   The readers below take int8 rows unscaled: the attention applies a key row's scale to its score and a value
+   row's to its softmax weight, one multiply per row instead of one per value. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
+
 int kv_f16_supported(void) {
 #ifdef HAVE_AVX2
   return 1;
@@ -97,74 +102,93 @@ int kv_f16_supported(void) {
 #endif
 }
 
-static inline float dot_kv(const float *q, const void *key, int64_t n, int kv_f16) {
-#ifdef HAVE_AVX2
-  if (kv_f16) {
-    const uint16_t *k = (const uint16_t *)key;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), acc);
-    float sum = hsum_avx2(acc);
-    for (; i < n; i++) sum += q[i] * _cvtsh_ss(k[i]);
-    return sum;
-  }
-#endif
-  return dot_f32(q, (const float *)key, n);
+/* bytes of one (token, KV head) row */
+static inline int64_t kv_row_bytes(int kind, int64_t head_dim) {
+  return kind == KV_I8 ? head_dim + (int64_t)sizeof(float) : kind == KV_F16 ? 2 * head_dim : 4 * head_dim;
 }
 
-static inline void scale_add_kv(float *y, float keep, float p, const void *value, int64_t n, int kv_f16) {
+/* an int8 row's scale, stored after its head_dim values */
+static inline float kv_row_scale(const char *row, int64_t head_dim) {
+  float scale;
+  memcpy(&scale, row + head_dim, sizeof(scale));
+  return scale;
+}
+
+/* value i of a row as float32 (an int8 row's unscaled) */
+static inline float kv_value(const char *row, int64_t i, int kind) {
 #ifdef HAVE_AVX2
-  if (kv_f16) {
-    const uint16_t *v = (const uint16_t *)value;
-    const __m256 vk = _mm256_set1_ps(keep), vp = _mm256_set1_ps(p);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + i)));
-      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vp, x, _mm256_mul_ps(vk, _mm256_loadu_ps(y + i))));
-    }
-    for (; i < n; i++) y[i] = y[i] * keep + p * _cvtsh_ss(v[i]);
+  if (kind == KV_F16) return _cvtsh_ss(((const uint16_t *)row)[i]);
+#endif
+  return kind == KV_I8 ? (float)((const int8_t *)row)[i] : ((const float *)row)[i];
+}
+
+#ifdef HAVE_AVX2
+/* values i..i+7 of a row as float32 (an int8 row's unscaled) */
+static inline __m256 load8_kv(const char *row, int64_t i, int kind) {
+  if (kind == KV_I8)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + i))));
+  return kind == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
+                        : _mm256_loadu_ps((const float *)row + i);
+}
+#endif
+
+static inline float dot_kv(const float *q, const char *key, int64_t n, int kind) {
+  if (kind == KV_F32) return dot_f32(q, (const float *)key, n);
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef HAVE_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_kv(key, i, kind), acc);
+  sum = hsum_avx2(acc);
+#endif
+  for (; i < n; i++) sum += q[i] * kv_value(key, i, kind);
+  return sum;
+}
+
+/* y = y * keep + p * value (an int8 row's unscaled) */
+static inline void scale_add_kv(float *y, float keep, float p, const char *value, int64_t n, int kind) {
+  if (kind == KV_F32) {
+    scale_add_f32(y, keep, p, (const float *)value, n);
     return;
   }
-#endif
-  scale_add_f32(y, keep, p, (const float *)value, n);
-}
-
+  int64_t i = 0;
 #ifdef HAVE_AVX2
-/* 8 cached values (float16 or float32) at element i of a row, as float32 */
-static inline __m256 load8_kv(const char *row, int64_t i, int kv_f16) {
-  return kv_f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
-                : _mm256_loadu_ps((const float *)row + i);
-}
+  const __m256 vk = _mm256_set1_ps(keep), vp = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vp, load8_kv(value, i, kind), _mm256_mul_ps(vk, _mm256_loadu_ps(y + i))));
 #endif
+  for (; i < n; i++) y[i] = y[i] * keep + p * kv_value(value, i, kind);
+}
 
 /* out[t] = sum q[i] * key_t[i] for the four rows key + t * stride (bytes): four independent sums, so the FMAs do
    not wait on each other */
-static inline void dot4_kv(const float *q, const char *key, int64_t stride, int64_t n, int kv_f16, float *out) {
+static inline void dot4_kv(const float *q, const char *key, int64_t stride, int64_t n, int kv_kind, float *out) {
 #ifdef HAVE_AVX2
   if (n % 8 == 0) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < n; i += 8) {
       const __m256 vq = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(vq, load8_kv(key, i, kv_f16), a0);
-      a1 = _mm256_fmadd_ps(vq, load8_kv(key + stride, i, kv_f16), a1);
-      a2 = _mm256_fmadd_ps(vq, load8_kv(key + 2 * stride, i, kv_f16), a2);
-      a3 = _mm256_fmadd_ps(vq, load8_kv(key + 3 * stride, i, kv_f16), a3);
+      a0 = _mm256_fmadd_ps(vq, load8_kv(key, i, kv_kind), a0);
+      a1 = _mm256_fmadd_ps(vq, load8_kv(key + stride, i, kv_kind), a1);
+      a2 = _mm256_fmadd_ps(vq, load8_kv(key + 2 * stride, i, kv_kind), a2);
+      a3 = _mm256_fmadd_ps(vq, load8_kv(key + 3 * stride, i, kv_kind), a3);
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
     return;
   }
 #endif
-  for (int t = 0; t < 4; t++) out[t] = dot_kv(q, key + t * stride, n, kv_f16);
+  for (int t = 0; t < 4; t++) out[t] = dot_kv(q, key + t * stride, n, kv_kind);
 }
 
 /* scores[t] = q . key_t for the n rows key + t * stride (bytes), four keys at a time */
 static inline void block_scores(const float *q, const char *key, int64_t stride, int64_t n, int64_t head_dim,
-                                int kv_f16, float *scores) {
+                                int kv_kind, float *scores) {
   int64_t t = 0;
-  for (; t + 4 <= n; t += 4) dot4_kv(q, key + t * stride, stride, head_dim, kv_f16, scores + t);
-  for (; t < n; t++) scores[t] = dot_kv(q, key + t * stride, head_dim, kv_f16);
+  for (; t + 4 <= n; t += 4) dot4_kv(q, key + t * stride, stride, head_dim, kv_kind, scores + t);
+  for (; t < n; t++) scores[t] = dot_kv(q, key + t * stride, head_dim, kv_kind);
+  if (kv_kind == KV_I8)
+    for (t = 0; t < n; t++) scores[t] *= kv_row_scale(key + t * stride, head_dim);
 }
 
 #ifdef HAVE_AVX2
@@ -173,7 +197,7 @@ static inline void block_scores(const float *q, const char *key, int64_t stride,
 static inline __attribute__((always_inline)) void accumulate_heads(float *acc, const float *rescale,
                                                                    const float *p, int64_t p_stride,
                                                                    const char *value, int64_t stride, int64_t n,
-                                                                   int64_t head_dim, int kv_f16, const int group) {
+                                                                   int64_t head_dim, int kv_kind, const int group) {
   for (int64_t d = 0; d < head_dim; d += 16) {
     __m256 lo[4], hi[4];
     for (int g = 0; g < group; g++) {
@@ -183,7 +207,7 @@ static inline __attribute__((always_inline)) void accumulate_heads(float *acc, c
     }
     for (int64_t t = 0; t < n; t++) {
       const char *row = value + t * stride;
-      const __m256 v0 = load8_kv(row, d, kv_f16), v1 = load8_kv(row, d + 8, kv_f16);
+      const __m256 v0 = load8_kv(row, d, kv_kind), v1 = load8_kv(row, d + 8, kv_kind);
       for (int g = 0; g < group; g++) {
         const __m256 w = _mm256_set1_ps(p[g * p_stride + t]);
         lo[g] = _mm256_fmadd_ps(w, v0, lo[g]);
@@ -201,17 +225,17 @@ static inline __attribute__((always_inline)) void accumulate_heads(float *acc, c
 /* acc[g] = acc[g] * rescale[g] + sum_t p[g * p_stride + t] * value_t for the `heads` query heads of one KV head
    (acc rows of head_dim floats) over the n value rows value + t * stride (bytes). */
 static void block_accumulate(float *acc, const float *rescale, const float *p, int64_t p_stride, const char *value,
-                             int64_t stride, int64_t n, int64_t head_dim, int kv_f16, int64_t heads) {
+                             int64_t stride, int64_t n, int64_t head_dim, int kv_kind, int64_t heads) {
 #ifdef HAVE_AVX2
   if (head_dim % 16 == 0) {
     for (int64_t g = 0; g < heads; g += 4) {
       float *a = acc + g * head_dim;
       const float *r = rescale + g, *pg = p + g * p_stride;
       switch (heads - g < 4 ? heads - g : 4) {
-        case 1: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_f16, 1); break;
-        case 2: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_f16, 2); break;
-        case 3: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_f16, 3); break;
-        default: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_f16, 4); break;
+        case 1: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_kind, 1); break;
+        case 2: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_kind, 2); break;
+        case 3: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_kind, 3); break;
+        default: accumulate_heads(a, r, pg, p_stride, value, stride, n, head_dim, kv_kind, 4); break;
       }
     }
     return;
@@ -220,12 +244,21 @@ static void block_accumulate(float *acc, const float *rescale, const float *p, i
   for (int64_t g = 0; g < heads; g++)
     for (int64_t t = 0; t < n; t++)
       scale_add_kv(acc + g * head_dim, t == 0 ? rescale[g] : 1.0f, p[g * p_stride + t], value + t * stride,
-                   head_dim, kv_f16);
+                   head_dim, kv_kind);
 }
 
-static inline void store_kv(void *dst, const float *src, int64_t n, int kv_f16) {
+/* n values as a cache row (see kv_row_bytes); an int8 row rounds to the nearest step of its scale */
+static inline void store_kv(char *dst, const float *src, int64_t n, int kv_kind) {
+  if (kv_kind == KV_I8) {
+    float largest = 0.0f;
+    for (int64_t i = 0; i < n; i++) largest = fabsf(src[i]) > largest ? fabsf(src[i]) : largest;
+    const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    for (int64_t i = 0; i < n; i++) ((int8_t *)dst)[i] = (int8_t)lrintf(src[i] * inverse);
+    memcpy(dst + n, &scale, sizeof(scale));
+    return;
+  }
 #ifdef HAVE_AVX2
-  if (kv_f16) {
+  if (kv_kind == KV_F16) {
     uint16_t *d = (uint16_t *)dst;
     for (int64_t i = 0; i < n; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
     return;
@@ -400,30 +433,30 @@ static inline void prefetch_rows(const char *p, int64_t stride, int64_t rows, in
 
 /* One token's K/V, every KV head: k norm, RoPE, and both stored at `slot` (skipped when < 0). */
 static void store_row(const float *row, const float *cos, const float *sin, const float *k_norm, float norm_eps,
-                      char *k_cache, char *v_cache, int kv_f16, int64_t slot, int64_t num_heads, int64_t num_kv_heads,
+                      char *k_cache, char *v_cache, int kv_kind, int64_t slot, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim) {
   if (slot < 0) return;
-  const int64_t elem = kv_f16 ? 2 : 4, token_stride = num_kv_heads * head_dim;
+  const int64_t head_bytes = kv_row_bytes(kv_kind, head_dim), token_bytes = num_kv_heads * head_bytes;
   for (int64_t h = 0; h < num_kv_heads; h++) {
     float k[head_dim], rotated[head_dim];
     memcpy(k, row + (num_heads + h) * head_dim, head_dim * sizeof(float));
     if (k_norm) head_rms_norm(k, k_norm, head_dim, norm_eps);
     rope(k, rotated, cos, sin, head_dim);
-    store_kv(k_cache + (slot * token_stride + h * head_dim) * elem, rotated, head_dim, kv_f16);
-    store_kv(v_cache + (slot * token_stride + h * head_dim) * elem, row + (num_heads + num_kv_heads + h) * head_dim,
-             head_dim, kv_f16);
+    store_kv(k_cache + slot * token_bytes + h * head_bytes, rotated, head_dim, kv_kind);
+    store_kv(v_cache + slot * token_bytes + h * head_bytes, row + (num_heads + num_kv_heads + h) * head_dim,
+             head_dim, kv_kind);
   }
 }
 
 /* One token's query heads of KV heads [h0, h1): q norm, RoPE, attention over the first seq_len tokens of its
    request (block table `table`) in the cache. */
 static void attend_row(const float *row, const float *cos, const float *sin, const float *q_norm, float norm_eps,
-                       const char *k_cache, const char *v_cache, int kv_f16, const int32_t *table, int64_t seq_len,
+                       const char *k_cache, const char *v_cache, int kv_kind, const int32_t *table, int64_t seq_len,
                        float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                        float scale, int64_t h0, int64_t h1) {
-  const int64_t elem = kv_f16 ? 2 : 4; /* bytes of one cached value */
   const int64_t group = num_heads / num_kv_heads, heads = (h1 - h0) * group; /* the query heads here */
-  const int64_t token_stride = num_kv_heads * head_dim;                      /* floats from token to token */
+  const int64_t head_bytes = kv_row_bytes(kv_kind, head_dim);                /* a (token, KV head) row */
+  const int64_t row_bytes = num_kv_heads * head_bytes;                        /* from token to token */
   float q[heads * head_dim], acc[heads * head_dim], scores[heads * block_size];
   float running_max[heads], running_sum[heads], rescale[heads];
 
@@ -440,37 +473,41 @@ static void attend_row(const float *row, const float *cos, const float *sin, con
 
   /* block by block, and in a block KV head by KV head: the scores of the head's query heads, an online softmax
      (rescale what came before), then their values; a block's K and V rows are read front to back */
-  const int64_t row_bytes = token_stride * elem;
   for (int64_t start = 0; start < seq_len; start += block_size) {
     const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-    const int64_t base = (int64_t)table[start / block_size] * block_size * token_stride * elem;
+    const int64_t base = (int64_t)table[start / block_size] * block_size * row_bytes;
     /* the next block, asked for while this one computes: a share of its rows per query head, so the prefetches
        spread over the work instead of filling the miss buffers at once (measured: 1.5 -> 1.2 ms a layer, float16
        cache, 64 requests of 150 tokens; 2.0 without) */
     const int64_t next = start + block_size < seq_len
-                             ? (int64_t)table[start / block_size + 1] * block_size * token_stride * elem : -1;
+                             ? (int64_t)table[start / block_size + 1] * block_size * row_bytes : -1;
     for (int64_t h = h0; h < h1; h++) {
       const int64_t first = (h - h0) * group; /* this KV head's query heads among the task's */
-      const char *key = k_cache + base + h * head_dim * elem, *value = v_cache + base + h * head_dim * elem;
+      const char *key = k_cache + base + h * head_bytes, *value = v_cache + base + h * head_bytes;
       const int64_t share = (block_size + group - 1) / group; /* rows of the next block asked for per query head */
       for (int64_t i = first; i < first + group; i++) {
         float *si = scores + i * block_size;
         if (next >= 0) {
           const int64_t r0 = (i - first) * share, rows = r0 + share > block_size ? block_size - r0 : share;
           if (rows > 0) {
-            prefetch_rows(k_cache + next + r0 * row_bytes + h * head_dim * elem, row_bytes, rows, head_dim * elem);
-            prefetch_rows(v_cache + next + r0 * row_bytes + h * head_dim * elem, row_bytes, rows, head_dim * elem);
+            prefetch_rows(k_cache + next + r0 * row_bytes + h * head_bytes, row_bytes, rows, head_bytes);
+            prefetch_rows(v_cache + next + r0 * row_bytes + h * head_bytes, row_bytes, rows, head_bytes);
           }
         }
-        block_scores(q + i * head_dim, key, row_bytes, n, head_dim, kv_f16, si);
+        block_scores(q + i * head_dim, key, row_bytes, n, head_dim, kv_kind, si);
         float block_max = running_max[i];
         for (int64_t j = 0; j < n; j++) block_max = si[j] > block_max ? si[j] : block_max;
         rescale[i] = expf(running_max[i] - block_max); /* 0 on the first block (the max was -inf) */
         running_sum[i] = running_sum[i] * rescale[i] + exp_shifted_sum(si, block_max, n);
         running_max[i] = block_max;
       }
+      if (kv_kind == KV_I8) /* a value row's scale goes into its softmax weights (their sum is taken) */
+        for (int64_t j = 0; j < n; j++) {
+          const float value_scale = kv_row_scale(value + j * row_bytes, head_dim);
+          for (int64_t i = first; i < first + group; i++) scores[i * block_size + j] *= value_scale;
+        }
       block_accumulate(acc + first * head_dim, rescale + first, scores + first * block_size, block_size, value,
-                       row_bytes, n, head_dim, kv_f16, group);
+                       row_bytes, n, head_dim, kv_kind, group);
     }
   }
   for (int64_t i = 0; i < heads; i++) {
@@ -488,12 +525,13 @@ static void attend_row(const float *row, const float *cos, const float *sin, con
    attend_lens[r] tokens of its request (block table row row_seq[r], or r when row_seq is NULL; for causal
    attention attend_lens[r] = positions[r] + 1), read in place from the paged cache ([num_blocks, block_size,
    num_kv_heads, head_dim]) block by block with an online softmax. out: [num_rows, num_heads, head_dim]; a row
-   of length 0 gives zeros. The cache holds float32 values, or float16 with kv_f16 (when kv_f16_supported()).
+   of length 0 gives zeros. The cache holds float32, float16 (when kv_f16_supported()) or int8 rows (kv_kind: see
+   kv_row_bytes; the int8 cache's last dimension is head_dim + 4).
    An attention task is a whole row (its K/V rows are read front to back) when there are enough rows to share
    out, else one KV head of one row. */
 void rope_store_attention_f32(const float *qkv, int64_t qkv_stride, const int64_t *positions,
                               const float *cos_table, const float *sin_table, const float *q_norm,
-                              const float *k_norm, float norm_eps, void *k_cache, void *v_cache, int kv_f16,
+                              const float *k_norm, float norm_eps, void *k_cache, void *v_cache, int kv_kind,
                               const int32_t *block_tables, int64_t table_stride, const int32_t *row_seq,
                               const int32_t *attend_lens, const int64_t *slot_mapping, float *out, int64_t num_rows,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -505,7 +543,7 @@ void rope_store_attention_f32(const float *qkv, int64_t qkv_stride, const int64_
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < num_rows; r++)
       store_row(qkv + r * qkv_stride, cos_table + positions[r] * head_dim, sin_table + positions[r] * head_dim, k_norm,
-                norm_eps, (char *)k_cache, (char *)v_cache, kv_f16, slot_mapping[r], num_heads, num_kv_heads,
+                norm_eps, (char *)k_cache, (char *)v_cache, kv_kind, slot_mapping[r], num_heads, num_kv_heads,
                 head_dim);
     /* (the implicit barrier: a prefill row reads the K/V its request's other rows just stored) */
 #pragma omp for schedule(dynamic, 1)
@@ -513,7 +551,7 @@ void rope_store_attention_f32(const float *qkv, int64_t qkv_stride, const int64_
       const int64_t r = task / tasks_per_row, h0 = task % tasks_per_row * heads_per_task;
       const int64_t seq = row_seq ? row_seq[r] : r;
       attend_row(qkv + r * qkv_stride, cos_table + positions[r] * head_dim, sin_table + positions[r] * head_dim,
-                 q_norm, norm_eps, (const char *)k_cache, (const char *)v_cache, kv_f16,
+                 q_norm, norm_eps, (const char *)k_cache, (const char *)v_cache, kv_kind,
                  block_tables + seq * table_stride, attend_lens[r], out + r * num_heads * head_dim, num_heads,
                  num_kv_heads, head_dim, block_size, scale, h0, h0 + heads_per_task);
     }

@@ -119,12 +119,38 @@ def usable(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and load() is not None
 
 
+# the KV cache dtypes rope_store_attention reads, by the code cpu_ops.c knows them by
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+# an int8 cache row (one token, one KV head) ends with its float32 scale
+INT8_KV_SCALE_BYTES = 4
+
+
+def kv_cache_row_width(dtype: torch.dtype, head_dim: int) -> int:
+    """The KV cache's last dimension for head_dim values: int8 rows carry their scale's 4 bytes after them."""
+    return head_dim + INT8_KV_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def int8_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """Float rows [..., head_dim] as the int8 cache holds them, [..., head_dim + 4]: each row's values rounded to
+    steps of its largest magnitude / 127, then that step's float32 bytes (the torch reference of cpu_ops.c's
+    store_kv)."""
+    step = x.float().abs().amax(-1, keepdim=True) / 127
+    values = torch.where(step > 0, x / step, 0.0).round().to(torch.int8)
+    return torch.cat([values, step.contiguous().view(torch.int8)], dim=-1)
+
+
+def float_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The int8 cache's rows [..., head_dim + 4] read back as float32 [..., head_dim]."""
+    step = rows[..., -INT8_KV_SCALE_BYTES:].contiguous().view(torch.float32)
+    return rows[..., :-INT8_KV_SCALE_BYTES].float() * step
+
+
 def kv_cache_usable(k_cache: torch.Tensor) -> bool:
-    """Whether rope_store_attention takes this KV cache: float32, or float16 where the build can."""
-    if k_cache.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.float16):
+    """Whether rope_store_attention takes this KV cache: float32 or int8, or float16 where the build can."""
+    if k_cache.device.type != "cpu" or k_cache.dtype not in KV_KINDS:
         return False
     lib = load()
-    return lib is not None and (k_cache.dtype == torch.float32 or lib.kv_f16)
+    return lib is not None and (k_cache.dtype != torch.float16 or lib.kv_f16)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -178,17 +204,19 @@ def rope_store_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.
     qkv: [num_rows, (num_heads + 2 * num_kv_heads) * head_dim] float32, rows contiguous; positions,
     slot_mapping: [num_rows] int64; cos, sin: [max_position, head_dim] float32; k_cache, v_cache: [num_blocks,
     block_size, num_kv_heads, head_dim] float32, or float16 where kv_cache_usable says so (stored rounded, read
-    back as float32); block_tables: [num_seqs, max_blocks] int32; row_seq: [num_rows] int32, the request (row of
+    back as float32), or int8 with a scale per row ([..., kv_cache_row_width(torch.int8, head_dim)]: each row's
+    values rounded to steps of its largest magnitude / 127, then that step as float32); block_tables: [num_seqs, max_blocks] int32; row_seq: [num_rows] int32, the request (row of
     block_tables) of each row, None when row r is request r (a decode step); attend_lens: [num_rows] int32, the
     tokens row r attends to (its position + 1, the new token included). Returns [num_rows, num_heads, head_dim].
     """
     num_rows = qkv.shape[0]
-    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    block_size, head_dim = k_cache.shape[1], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     assert qkv.stride(1) == 1 and block_tables.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape[3] == kv_cache_row_width(k_cache.dtype, head_dim) and v_cache.dtype == k_cache.dtype
     out = qkv.new_empty(num_rows, num_heads, head_dim)
     load().rope_store_attention_f32(
         qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), _ptr(q_norm),
-        _ptr(k_norm), norm_eps, k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float16),
+        _ptr(k_norm), norm_eps, k_cache.data_ptr(), v_cache.data_ptr(), KV_KINDS[k_cache.dtype],
         block_tables.data_ptr(), block_tables.stride(0), _ptr(row_seq), attend_lens.data_ptr(),
         slot_mapping.data_ptr(), out.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
         torch.get_num_threads())

@@ -101,6 +101,25 @@ def test_kv_cache_dtype_defaults_and_errors():
     assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="float16").kv_torch_dtype == torch.float16
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
         EngineConfig(device="cpu", kv_cache_dtype="fp8")
+    assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="int8").kv_torch_dtype == torch.int8
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs a float32 model.*bfloat16"):
+        EngineConfig(device="cpu", dtype="bfloat16", kv_cache_dtype="int8")
+
+
+def test_an_int8_kv_cache_needs_the_compiled_attention(tmp_path, monkeypatch):
+    """Only the compiled kernel reads int8 rows and their scales: without it the engine refuses at start, and
+    the torch attention refuses such a cache rather than read its bytes as values."""
+    from nanovllm import LLM
+    from nanovllm.attention.torch_backend import TorchAttentionBackend
+
+    path = save_tiny_model("llama", tmp_path / "llama")
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is read by the compiled CPU ops only"):
+        LLM(path, num_kvcache_blocks=8, max_model_len=64, kv_cache_dtype="int8")
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    cache = torch.zeros(4, 16, 1, 12, dtype=torch.int8)
+    with pytest.raises(ValueError, match="needs the compiled CPU attention"):
+        TorchAttentionBackend().forward(q, k, k, cache, cache, None, 1.0)
 
 
 def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):

@@ -125,11 +125,55 @@ def _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, 
     return q, k_ref, v_ref
 
 
+def _random_caches(num_blocks, block_size, num_kv_heads, head_dim, kv_dtype):
+    k, v = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim) for _ in range(2))
+    if kv_dtype == torch.int8:
+        return cpu_ops.int8_kv_rows(k), cpu_ops.int8_kv_rows(v)
+    return k.to(kv_dtype), v.to(kv_dtype)
+
+
+def _readable(cache):
+    """A cache as float values the torch references read (the int8 cache's rows scaled back)."""
+    return cpu_ops.float_kv_rows(cache) if cache.dtype == torch.int8 else cache
+
+
+def _check_stored(k_cache, v_cache, k_ref, v_ref):
+    """The kernel's K/V against the reference's: float32 exact up to rounding, float16 to its neighbour where the
+    two rotations differ in float32, int8 within half a step of its row (step = the row's largest magnitude
+    / 127; rows the kernel did not write are untouched)."""
+    if k_cache.dtype == torch.int8:
+        for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
+            half_step = ref.abs().amax(-1, keepdim=True) / 254
+            assert ((cpu_ops.float_kv_rows(cache) - ref).abs() <= half_step * 1.001 + 1e-6).all()
+        return
+    tol = 1e-5 if k_cache.dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(k_cache, k_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
+
+
+def _attention_tolerance(kv_dtype):
+    # int8: the reference reads the very values the kernel stored, so only float rounding is left
+    return {"rtol": 1e-4, "atol": 1e-5} if kv_dtype != torch.float16 else {"rtol": 1e-3, "atol": 1e-3}
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 16)])
+def test_int8_kv_rows_round_to_half_a_step_and_keep_zeros(shape) -> None:
+    torch.manual_seed(4)
+    x = torch.randn(*shape) * 3
+    x[0] = 0.0
+    rows = cpu_ops.int8_kv_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape[-1] == cpu_ops.kv_cache_row_width(torch.int8, shape[-1])
+    back = cpu_ops.float_kv_rows(rows)
+    assert torch.equal(back[0], torch.zeros_like(back[0]))
+    assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 254 * 1.001).all()
+    assert rows[..., :-4].abs().amax(-1)[1:].eq(127).all()  # each row's largest magnitude is a full step count
+
+
 # (num_heads, num_kv_heads, head_dim, block_size, q/k norm): SmolLM2's 9/3 x 64, MHA, GQA 8, Qwen3-style norms
 CASES = [(9, 3, 64, 256, False), (4, 4, 32, 16, False), (8, 1, 128, 16, True), (6, 2, 16, 4, True)]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("copies", [1, 4])  # 5 requests: a task per KV head; 20: a task per request
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,qk_norm", CASES)
 def test_rope_store_attention_of_decodes_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
@@ -139,8 +183,7 @@ def test_rope_store_attention_of_decodes_matches_reference(num_heads, num_kv_hea
     seq_lens = [1, block_size, block_size + 1, 3 * block_size + 5, 40] * copies
     num_seqs, max_blocks = len(seq_lens), max(-(-n // block_size) for n in seq_lens) + 1
     num_blocks = num_seqs * max_blocks + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)
+    k_cache, v_cache = _random_caches(num_blocks, block_size, num_kv_heads, head_dim, kv_dtype)
     # scattered, non-consecutive blocks per request; unused table entries hold -1
     order = torch.randperm(num_blocks)[:num_seqs * max_blocks].view(num_seqs, max_blocks).int()
     tables = torch.full((num_seqs, max_blocks + 2), -1, dtype=torch.int32)
@@ -160,19 +203,17 @@ def test_rope_store_attention_of_decodes_matches_reference(num_heads, num_kv_hea
     qkv = torch.randn(num_seqs, width + 7)[:, :width]  # rows with a stride past their width
     scale = head_dim ** -0.5
 
-    q, k_ref, v_ref = _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads)
-    ref = decode_attention_ref(q, k_ref, v_ref, tables, lens, scale)
+    q, k_ref, v_ref = _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, _readable(k_cache),
+                                      _readable(v_cache), slots, num_heads)
 
     out = cpu_ops.rope_store_attention(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache, tables,
                                        lens, slots, num_heads, num_kv_heads, scale)
-    # a float16 cache: the new k may round to the neighbouring float16 where the two rotations differ in float32
-    tol = 1e-5 if kv_dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(k_cache, k_ref, rtol=tol, atol=tol)
-    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
-    torch.testing.assert_close(out, ref, rtol=1e-4 if kv_dtype == torch.float32 else 1e-3, atol=tol)
+    _check_stored(k_cache, v_cache, k_ref, v_ref)
+    ref = decode_attention_ref(q, _readable(k_cache), _readable(v_cache), tables, lens, scale)
+    torch.testing.assert_close(out, ref, **_attention_tolerance(kv_dtype))
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("copies", [1, 3])  # few rows: a task per KV head of a row; many: a task per row
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,qk_norm", CASES)
 def test_rope_store_attention_of_a_mixed_step_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
@@ -186,8 +227,7 @@ def test_rope_store_attention_of_a_mixed_step_matches_reference(num_heads, num_k
     seq_lens = decode_lens + [c + q for c, q in chunks]
     num_seqs, max_blocks = len(seq_lens), max(-(-n // block_size) for n in seq_lens)
     num_blocks = num_seqs * max_blocks + 2
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)
+    k_cache, v_cache = _random_caches(num_blocks, block_size, num_kv_heads, head_dim, kv_dtype)
     tables = torch.randperm(num_blocks)[:num_seqs * max_blocks].view(num_seqs, max_blocks).int()
     positions = torch.cat([torch.arange(n - q, n) for n, q in zip(seq_lens, query_lens)])
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens))
@@ -203,20 +243,19 @@ def test_rope_store_attention_of_a_mixed_step_matches_reference(num_heads, num_k
     meta = AttentionMetadata(slots, cu, torch.tensor(seq_lens, dtype=torch.int32), tables, len(decode_lens),
                              len(decode_lens), max(query_lens), max(seq_lens), query_lens, seq_lens)
 
-    q, k_ref, v_ref = _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads)
-    nd = len(decode_lens)
-    ref = torch.cat([decode_attention_ref(q[:nd], k_ref, v_ref, tables[:nd], meta.seq_lens[:nd], scale),
-                     prefill_attention_ref(q[nd:], k_ref, v_ref, tables[nd:], cu[nd:] - nd, meta.seq_lens[nd:],
-                                           scale)])
+    q, k_ref, v_ref = _rope_store_ref(qkv, positions, cos, sin, q_norm, k_norm, _readable(k_cache),
+                                      _readable(v_cache), slots, num_heads)
 
     row_seq, attend_lens = token_rows(meta)
     assert torch.equal(row_seq.long(), seq_of_token) and torch.equal(attend_lens.long(), positions + 1)
     out = cpu_ops.rope_store_attention(qkv, positions, cos, sin, q_norm, k_norm, 1e-6, k_cache, v_cache, tables,
                                        attend_lens, slots, num_heads, num_kv_heads, scale, row_seq)
-    tol = 1e-5 if kv_dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(k_cache, k_ref, rtol=tol, atol=tol)
-    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
-    torch.testing.assert_close(out, ref, rtol=1e-4 if kv_dtype == torch.float32 else 1e-3, atol=tol)
+    _check_stored(k_cache, v_cache, k_ref, v_ref)
+    nd, k_read, v_read = len(decode_lens), _readable(k_cache), _readable(v_cache)
+    ref = torch.cat([decode_attention_ref(q[:nd], k_read, v_read, tables[:nd], meta.seq_lens[:nd], scale),
+                     prefill_attention_ref(q[nd:], k_read, v_read, tables[nd:], cu[nd:] - nd, meta.seq_lens[nd:],
+                                           scale)])
+    torch.testing.assert_close(out, ref, **_attention_tolerance(kv_dtype))
 
 
 def test_a_request_of_no_tokens_gets_zeros() -> None:

