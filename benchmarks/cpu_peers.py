@@ -11,7 +11,8 @@ Throughput = generated tokens / wall time (prefill included), after one warm-up 
 ``--repeat N`` every part runs N times, interleaved (llama.cpp's too: it stays loaded in its worker process), and
 the best time counts (the machine may be shared, and its speed drifts); each of our parts starts from an empty
 prefix cache. The JSON keeps every repetition's figure.
-Prints a table and our ratio to each peer, and writes JSON.
+Prints a table and our ratio to each peer (of the best times, and repetition by repetition: each repetition's
+parts run minutes apart at most, the best times may come from different minutes), and writes JSON.
 
 llama-cpp-python lives in its own environment: ``--llama-python /path/to/python`` (default: $LLAMA_PYTHON,
 else /tmp/peers-venv/bin/python, else this interpreter) runs the llama.cpp part in a subprocess of that
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -294,14 +296,22 @@ def main() -> None:
                ("single", "HF generate batch 1", None)]
     print()
     for name in [e["name"] for e in engines.values() if "name" in e]:
-        ours = {"single": best.get(f"{name} single"), "concurrent": best.get(f"{name} {args.num_concurrent} concurrent")}
+        parts = {"single": f"{name} single", "concurrent": f"{name} {args.num_concurrent} concurrent"}
+        ours = {mine: best.get(part) for mine, part in parts.items()}
         for mine, peer, target in targets:
             if ours[mine] and peer in best:
                 ratio = ours[mine]["tok_s"] / best[peer]["tok_s"]
                 key = f"{name} {mine} / {peer}"
-                ratios[key] = {"ratio": ratio, "target": target, "met": None if target is None else ratio >= target}
+                # each repetition's pair ran minutes apart at most: less exposed to the machine's drift than
+                # the best of each, which may come from different minutes
+                paired = [a / b for a, b in zip(runs[parts[mine]], runs[peer])]
+                ratios[key] = {"ratio": ratio, "target": target, "met": None if target is None else ratio >= target,
+                               "per_repetition": [round(r, 3) for r in paired]}
                 goal = "" if target is None else f"  (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
                 print(f"{key:<64}{ratio:>7.2f}x{goal}")
+                if len(paired) > 1:
+                    print(f"{'':<8}by repetition: {' / '.join(f'{r:.2f}x' for r in paired)}, "
+                          f"median {statistics.median(paired):.2f}x")
 
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
