@@ -25,10 +25,15 @@ from tests.server.conftest import ServerProcess, metric_values, wait_for
 BLOCK = 16
 NUM_BLOCKS = 48  # 768 tokens of KV cache for up to 16 running requests of up to ~200 tokens each
 MAX_NUM_SEQS = 16
-MAX_QUEUED = 24  # 40 in flight at most: 48 concurrent clients meet 429 now and then
+MAX_QUEUED = 10  # 26 in flight at most
 MAX_N = 4
 CONCURRENCY = 48
 WAVE = 200
+# each wave opens with this many long requests (128 tokens, EOS ignored) among its first 48, sent at once: they
+# hold the small pool for seconds, so the in-flight limit is reached and some requests get 429 however fast the
+# machine is (with short requests only, a fast machine answered them before 26 were ever in flight)
+BURST = 32
+BURST_TOKENS = 128
 RETRY_AFTER = 1  # seconds, what the server's 429 says
 REQUEST_TIMEOUT = 60.0  # no request may take longer: a hang fails the test instead of stalling it
 
@@ -159,6 +164,8 @@ def plan_request(rng: random.Random, i: int) -> Plan:
         params["seed"] = rng.randint(0, 1 << 30)
     if rng.random() < 0.1:
         params["presence_penalty"] = 0.5
+    if i < BURST:
+        params.update(max_tokens=BURST_TOKENS, ignore_eos=True)
     if chat:
         text = prompt if isinstance(prompt, str) else "tokens " + " ".join(map(str, prompt[:30]))
         body = {"messages": [{"role": "user", "content": text}], **params}
