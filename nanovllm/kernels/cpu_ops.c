@@ -247,26 +247,6 @@ static void block_accumulate(float *acc, const float *rescale, const float *p, i
                    head_dim, kv_kind);
 }
 
-/* n values as a cache row (see kv_row_bytes); an int8 row rounds to the nearest step of its scale */
-static inline void store_kv(char *dst, const float *src, int64_t n, int kv_kind) {
-  if (kv_kind == KV_I8) {
-    float largest = 0.0f;
-    for (int64_t i = 0; i < n; i++) largest = fabsf(src[i]) > largest ? fabsf(src[i]) : largest;
-    const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-    for (int64_t i = 0; i < n; i++) ((int8_t *)dst)[i] = (int8_t)lrintf(src[i] * inverse);
-    memcpy(dst + n, &scale, sizeof(scale));
-    return;
-  }
-#ifdef HAVE_AVX2
-  if (kv_kind == KV_F16) {
-    uint16_t *d = (uint16_t *)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
-    return;
-  }
-#endif
-  memcpy(dst, src, n * sizeof(float));
-}
-
 /* max_i |x[i]|, or 1 when every x[i] is 0 (a row's int8 scale: see normalize_rows_f32). */
 static inline float abs_max_or_one(const float *x, int64_t n) {
   float m = 0.0f;
@@ -282,6 +262,24 @@ static inline float abs_max_or_one(const float *x, int64_t n) {
 #endif
   for (; i < n; i++) m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
   return m > 0.0f ? m : 1.0f;
+}
+
+/* n values as a cache row (see kv_row_bytes); an int8 row rounds to the nearest step of its scale */
+static inline void store_kv(char *dst, const float *src, int64_t n, int kv_kind) {
+  if (kv_kind == KV_I8) {
+    const float largest = abs_max_or_one(src, n), scale = largest / 127.0f, inverse = 127.0f / largest;
+    for (int64_t i = 0; i < n; i++) ((int8_t *)dst)[i] = (int8_t)lrintf(src[i] * inverse);
+    memcpy(dst + n, &scale, sizeof(scale));
+    return;
+  }
+#ifdef HAVE_AVX2
+  if (kv_kind == KV_F16) {
+    uint16_t *d = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+    return;
+  }
+#endif
+  memcpy(dst, src, n * sizeof(float));
 }
 
 /* out[i] = x[i] * s (out may be x) */

@@ -132,10 +132,11 @@ def kv_cache_row_width(dtype: torch.dtype, head_dim: int) -> int:
 
 def int8_kv_rows(x: torch.Tensor) -> torch.Tensor:
     """Float rows [..., head_dim] as the int8 cache holds them, [..., head_dim + 4]: each row's values rounded to
-    steps of its largest magnitude / 127, then that step's float32 bytes (the torch reference of cpu_ops.c's
-    store_kv)."""
-    step = x.float().abs().amax(-1, keepdim=True) / 127
-    values = torch.where(step > 0, x / step, 0.0).round().to(torch.int8)
+    steps of its largest magnitude / 127 (1 / 127 for a row of zeros), then that step's float32 bytes (the torch
+    reference of cpu_ops.c's store_kv)."""
+    largest = x.float().abs().amax(-1, keepdim=True)
+    step = torch.where(largest > 0, largest, 1.0) / 127
+    values = (x / step).round().to(torch.int8)
     return torch.cat([values, step.contiguous().view(torch.int8)], dim=-1)
 
 
@@ -204,8 +205,8 @@ def rope_store_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.
     qkv: [num_rows, (num_heads + 2 * num_kv_heads) * head_dim] float32, rows contiguous; positions,
     slot_mapping: [num_rows] int64; cos, sin: [max_position, head_dim] float32; k_cache, v_cache: [num_blocks,
     block_size, num_kv_heads, head_dim] float32, or float16 where kv_cache_usable says so (stored rounded, read
-    back as float32), or int8 with a scale per row ([..., kv_cache_row_width(torch.int8, head_dim)]: each row's
-    values rounded to steps of its largest magnitude / 127, then that step as float32); block_tables: [num_seqs, max_blocks] int32; row_seq: [num_rows] int32, the request (row of
+    back as float32), or int8 with a scale per row ([..., kv_cache_row_width(torch.int8, head_dim)]: see
+    int8_kv_rows); block_tables: [num_seqs, max_blocks] int32; row_seq: [num_rows] int32, the request (row of
     block_tables) of each row, None when row r is request r (a decode step); attend_lens: [num_rows] int32, the
     tokens row r attends to (its position + 1, the new token included). Returns [num_rows, num_heads, head_dim].
     """
