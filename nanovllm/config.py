@@ -35,7 +35,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # pool size in bytes; default 2 GiB on the CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (CUDA only)
     enable_prefix_caching: bool = True
-    dtype: str = "auto"  # auto: bfloat16 on CUDA; on the CPU bfloat16 where it has native bf16 matmuls, else float32
+    # auto: bfloat16 on CUDA; on the CPU float32 under cpu_int8, cpu_fp16 or an int8 KV cache, else bfloat16 where
+    # the CPU has native bf16 matmuls, else float32
+    dtype: str = "auto"
     device: str | None = None  # "cuda" when available, else "cpu"
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
@@ -129,8 +131,13 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
+            if self.is_cuda:
+                return torch.bfloat16
+            # the int8 and float16 weight paths and the int8 KV cache compute in float32: asking for one asks for it
+            if self.cpu_int8 or self.cpu_fp16 or self.cpu_fp16_decode or self.kv_cache_dtype == "int8":
+                return torch.float32
             from nanovllm.layers.cpu import default_cpu_dtype
-            return torch.bfloat16 if self.is_cuda else default_cpu_dtype()
+            return default_cpu_dtype()
         return DTYPES[self.dtype]
 
     @property

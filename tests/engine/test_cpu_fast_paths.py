@@ -145,6 +145,11 @@ def test_cpu_dtype_follows_native_bf16(monkeypatch):
             assert cpu.default_cpu_dtype() == dtype
             assert EngineConfig(device="cpu").torch_dtype == dtype
             assert EngineConfig(device="cpu", dtype="float32").torch_dtype == torch.float32
+            # the int8 / float16 weight paths and the int8 KV cache compute in float32: asking for one picks it
+            for option in ({"cpu_int8": True}, {"cpu_fp16": True}, {"kv_cache_dtype": "int8"}):
+                config = EngineConfig(device="cpu", **option)
+                assert config.torch_dtype == torch.float32, option
+            assert EngineConfig(device="cpu", cpu_int8=True).kv_torch_dtype == torch.float16
         monkeypatch.setenv("NANOVLLM_CPU_DTYPE", "bfloat16")
         assert cpu.default_cpu_dtype() == torch.bfloat16, "the variable decides over the CPU's features"
     finally:
