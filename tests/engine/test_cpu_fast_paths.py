@@ -170,6 +170,21 @@ def test_engine_with_fp16_weights_generates_like_float32(tiny_qwen3):
     assert llm.generate(prompts[:1], params, use_tqdm=False)[0].token_ids == expected[0]
 
 
+def test_engine_in_bfloat16_generates_like_float32(tiny_qwen3):
+    """A bfloat16 model on the CPU (what dtype auto picks where the CPU has native bf16 matmuls) keeps float32's
+    greedy tokens on a decisive model, alone and batched, with its KV cache in bfloat16."""
+    kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(3, 30)), [7] * 5 + list(range(100, 140)), [300, 2, 45]]
+    expected = [o.token_ids for o in LLM(tiny_qwen3, dtype="float32", **kwargs).generate(prompts, params,
+                                                                                        use_tqdm=False)]
+    llm = LLM(tiny_qwen3, dtype="bfloat16", **kwargs)
+    assert llm.runner.kv_cache.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in llm.runner.model.parameters() if p.is_floating_point())
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.generate(prompts[:1], params, use_tqdm=False)[0].token_ids == expected[0]
+
+
 def test_cpu_fp16_decode_is_a_deprecated_alias():
     with pytest.warns(DeprecationWarning, match="cpu_fp16"):
         config = EngineConfig(device="cpu", cpu_fp16_decode=True)
