@@ -50,8 +50,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # deprecated: the same as cpu_fp16 (it once meant float16 copies for steps of 1-2 tokens only)
     cpu_fp16_decode: bool = False
-    # CPU, float32 models: int8 weights and int8 activations (a scale per row) for the linear layers and the LM
-    # head (layers/cpu.py)
+    # CPU, float32 models: int8 weights and int8 activations (a scale per 32 values, or per row in fbgemm's
+    # steps) for the linear layers and the LM head (layers/cpu.py)
     cpu_int8: bool = False
     # CPU, float32 models: float16 weights (fbgemm) for every linear layer and the LM head (layers/cpu.py)
     cpu_fp16: bool = False

@@ -35,9 +35,10 @@ HELP = {
                 "activations and sums, fbgemm): 2-3x faster one-request steps and ~1.3x at 64 requests, half "
                 "the weight memory, float16 weight rounding (greedy tokens may differ from float32's)",
     "cpu_int8": "CPU, float32 models: the linear layers and the LM head multiply int8 weights (per output "
-                "channel) by int8-quantized activations (per row): about 2x faster matmuls, a quarter of the "
-                "weight bytes, int8 rounding (greedy tokens differ from float32's more than with --cpu-fp16); "
-                "the KV cache defaults to float16",
+                "channel) by int8-quantized activations (a scale per 32 values; per row in fbgemm's steps of "
+                "3+ rows on CPUs without AVX512-VNNI): about 2x faster matmuls, a quarter of the weight bytes, "
+                "int8 rounding (greedy tokens differ from float32's more than with --cpu-fp16); the KV cache "
+                "defaults to float16",
     "kv_cache_dtype": "auto (the model's dtype; float16 under --cpu-int8), float32, float16, bfloat16 or int8; "
                       "other than the model's: CPU only (e.g. float16 under a float32 model: twice the tokens in "
                       "the same pool, float16 rounding; int8: float32 models with the compiled CPU ops, a scale "

@@ -17,6 +17,9 @@ except ImportError:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The oracle (transformers) runs in float32: so does the CPU engine here, also where the CPU would pick bf16.
 os.environ.setdefault("NANOVLLM_CPU_DTYPE", "float32")
+# cpu_int8's steps of many rows: fbgemm here, the same path on every CPU; the tests of the compiled tiles (the
+# default where the CPU has AVX512-VNNI) ask for them by name
+os.environ.setdefault("NANOVLLM_CPU_INT8_TILES", "0")
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@
    competing with them. Every function has a torch reference it is tested against. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -615,4 +616,163 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
       y[r * out + j] = bias ? value + bias[j] : value;
     }
   }
+}
+
+/* ---- int8 products in column tiles, for any number of rows ----------------------------------------------
+   The same numbers as linear_i8 (int8 weights with a scale per output channel; each row of x quantized in blocks
+   of 32 values, each with its own scale), for any number of rows, with the weight laid out for the product:
+   tiles of 16 output channels, each tile [in / 4][16][4] (4 consecutive input values of a channel side by side,
+   what AVX512-VNNI's dpbusd multiplies and sums into one int32). dpbusd multiplies an unsigned byte by a signed
+   one, so x goes in as q + 128 (no saturation: its sums are int32) and each block's sum is corrected by
+   128 * the block's weight sum (w_sum: [out / 16][in / 32][16], computed once with the layout). Measured on a
+   2-core AVX512-VNNI CPU: as fast as or faster than fbgemm's int8 GEMM (per-row scales, 7-bit activations) at
+   1-1024 rows, with half its error, and 2x the few-row kernel above with the weights in cache. Without VNNI a
+   plain C loop computes the same numbers (the tests run it anywhere; the engine takes it only with VNNI). */
+#define TILE 16
+
+int linear_i8_tiles_vnni(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* one row of x -> in bytes (q + 128) and in / 32 scales (times row_scale: x's rows may come normalized) */
+static void quantize_row_u8(const float *x, uint8_t *q, float *scale, int64_t in, float row_scale) {
+  for (int64_t b = 0; b < in / QBLOCK; b++) {
+    const float *xb = x + b * QBLOCK;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m128i offset = _mm_set1_epi8((char)0x80);  /* + 128 of a byte in [-127, 127] is its top bit flipped */
+    _mm_storeu_si128((__m128i *)(q + b * QBLOCK),
+                     _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))), offset));
+    _mm_storeu_si128((__m128i *)(q + b * QBLOCK + 16),
+                     _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))), offset));
+#else
+    float amax = 0.0f;
+    for (int64_t i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t i = 0; i < QBLOCK; i++) q[b * QBLOCK + i] = (uint8_t)(lrintf(xb[i] * inv) + 128);
+#endif
+    scale[b] = amax / 127.0f * row_scale;
+  }
+}
+
+#define TILE_ROWS 6
+#define TILE_GROUP 4
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* y[R rows, T tiles of 16 channels] from R quantized rows and T consecutive weight tiles (R, T constants where
+   inlined: 12 int32 and 12 float accumulators in registers at R = 6, T = 2; a row or two take T = 4, more loads
+   in flight). Per block of 32 inputs: 8 dpbusd a (row, tile), then the block's correction and scale into the
+   float sums. */
+static inline __attribute__((always_inline)) void tiles_kernel(const int R, const int T, const uint8_t *xq,
+                                                               const float *xs, const int8_t *w, const int32_t *w_sum,
+                                                               int64_t in, float *sums) {
+  const int64_t blocks = in / QBLOCK;
+  __m512 acc[TILE_ROWS][TILE_GROUP];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    __m512i dot[TILE_ROWS][TILE_GROUP];
+    for (int r = 0; r < R; r++)
+      for (int t = 0; t < T; t++) dot[r][t] = _mm512_setzero_si512();
+    for (int64_t k4 = b * (QBLOCK / 4); k4 < (b + 1) * (QBLOCK / 4); k4++) {
+      __m512i wv[TILE_GROUP];
+      for (int t = 0; t < T; t++) wv[t] = _mm512_loadu_si512((const void *)(w + t * TILE * in + k4 * 64));
+      for (int r = 0; r < R; r++) {
+        const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xq + r * in + k4 * 4));
+        for (int t = 0; t < T; t++) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], xv, wv[t]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      const __m512 scale = _mm512_set1_ps(xs[r * blocks + b]);
+      for (int t = 0; t < T; t++) {
+        const __m512i correction = _mm512_loadu_si512((const void *)(w_sum + (t * blocks + b) * TILE));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][t], correction)), scale, acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(sums + (r * TILE_GROUP + t) * TILE, acc[r][t]);
+}
+#endif
+
+/* sums [rows][TILE_GROUP][16]: the scaled block sums of `rows` (<= TILE_ROWS) rows by T consecutive tiles (1-2;
+   up to TILE_GROUP for 1-2 rows) */
+static void tiles_rows(int64_t rows, int T, const uint8_t *xq, const float *xs, const int8_t *w,
+                       const int32_t *w_sum, int64_t in, float *sums) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TILES_CALL(R, T) tiles_kernel(R, T, xq, xs, w, w_sum, in, sums)
+#define FEW_ROWS(R) case R: switch (T) { case 1: TILES_CALL(R, 1); break; case 2: TILES_CALL(R, 2); break; \
+                                         case 3: TILES_CALL(R, 3); break; default: TILES_CALL(R, 4); } break;
+#define ROWS(R) case R: if (T == 2) TILES_CALL(R, 2); else TILES_CALL(R, 1); break;
+  switch (rows) { FEW_ROWS(1) FEW_ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
+#undef TILES_CALL
+#undef FEW_ROWS
+#undef ROWS
+#else
+  const int64_t blocks = in / QBLOCK;
+  for (int64_t r = 0; r < rows; r++)
+    for (int t = 0; t < T; t++) {
+      float total[TILE] = {0};
+      for (int64_t b = 0; b < blocks; b++) {
+        int32_t dot[TILE] = {0};
+        for (int64_t k4 = b * (QBLOCK / 4); k4 < (b + 1) * (QBLOCK / 4); k4++) {
+          const uint8_t *xk = xq + r * in + k4 * 4;
+          const int8_t *wk = w + t * TILE * in + k4 * 4 * TILE;
+          for (int c = 0; c < TILE; c++)
+            for (int i = 0; i < 4; i++) dot[c] += (int32_t)xk[i] * wk[c * 4 + i];
+        }
+        for (int c = 0; c < TILE; c++)
+          total[c] += (float)(dot[c] - w_sum[(t * blocks + b) * TILE + c]) * xs[r * blocks + b];
+      }
+      for (int c = 0; c < TILE; c++) sums[(r * TILE_GROUP + t) * TILE + c] = total[c];
+    }
+#endif
+}
+
+/* x: [rows, in] float32 (rows contiguous); row_scale: [rows] or NULL (x's rows times it are the input);
+   w: [out / 16] tiles as above; w_sum: [out / 16][in / 32][16]; w_scale, bias (or NULL): [out]; y: [rows, out].
+   in a multiple of 32, out of 16. Threads share out groups of tiles (4 for one or two rows, else 2): each reads
+   its weights once. A row or two are quantized before the threads start (no barrier between). */
+void linear_i8_tiles_f32(const float *x, const float *row_scale, const int8_t *w, const int32_t *w_sum,
+                         const float *w_scale, const float *bias, float *y, int64_t rows, int64_t in, int64_t out,
+                         int num_threads) {
+  const int64_t blocks = in / QBLOCK, tiles = out / TILE, group = rows <= 2 ? TILE_GROUP : 2;
+  uint8_t *xq = malloc(rows * in);
+  float *xs = malloc(sizeof(float) * rows * blocks);
+  const int few = rows <= 2;
+  if (few)
+    for (int64_t r = 0; r < rows; r++)
+      quantize_row_u8(x + r * in, xq + r * in, xs + r * blocks, in, row_scale ? row_scale[r] : 1.0f);
+#pragma omp parallel num_threads(num_threads)
+  {
+    if (!few) {
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; r++)
+        quantize_row_u8(x + r * in, xq + r * in, xs + r * blocks, in, row_scale ? row_scale[r] : 1.0f);
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < (tiles + group - 1) / group; g++) {
+      const int64_t t0 = g * group;
+      const int T = tiles - t0 < group ? (int)(tiles - t0) : (int)group;
+      float sums[TILE_ROWS * TILE_GROUP * TILE];
+      for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+        const int64_t n = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
+        tiles_rows(n, T, xq + r0 * in, xs + r0 * blocks, w + t0 * TILE * in, w_sum + t0 * blocks * TILE, in, sums);
+        for (int64_t r = 0; r < n; r++)
+          for (int t = 0; t < T; t++) {
+            const int64_t col = (t0 + t) * TILE;
+            const float *sum = sums + (r * TILE_GROUP + t) * TILE;
+            float *y_row = y + (r0 + r) * out + col;
+            for (int c = 0; c < TILE; c++) y_row[c] = sum[c] * w_scale[col + c] + (bias ? bias[col + c] : 0.0f);
+          }
+      }
+    }
+  }
+  free(xq);
+  free(xs);
 }

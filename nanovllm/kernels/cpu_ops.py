@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,7 @@ SIGNATURES = {
     "rope_store_attention_f32": [_P, _I64, _P, _P, _P, _P, _P, _F, _P, _P, _I32, _P, _I64, _P, _P, _P, _P,
                                  _I64, _I64, _I64, _I64, _I64, _F, _I32],
     "linear_i8_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
+    "linear_i8_tiles_f32": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
 }
 
 
@@ -69,10 +71,11 @@ def _cpu_identity() -> str:
         return platform.machine() + platform.processor()
 
 
-def build(compiler: str) -> Path:
+def build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile cpu_ops.c (unless this source, these flags and this CPU were compiled for before); returns the
-    library."""
-    identity = " ".join([compiler, *FLAGS, _cpu_identity()])
+    library. extra_flags: e.g. ("-mno-avx512vnni",) to build the plain paths of a CPU's wider ones (tests)."""
+    flags = [*FLAGS, *extra_flags]
+    identity = " ".join([compiler, *flags, _cpu_identity()])
     key = hashlib.sha256(SOURCE.read_bytes() + identity.encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_ops-{key}.so"
     if target.exists():
@@ -82,7 +85,7 @@ def build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True)
         os.replace(tmp, target)
     finally:
@@ -111,6 +114,7 @@ def load() -> ctypes.CDLL | None:
         function.argtypes, function.restype = argtypes, None
     lib.kv_f16_supported.argtypes, lib.kv_f16_supported.restype = [], ctypes.c_int
     lib.kv_f16 = bool(lib.kv_f16_supported())  # asked once: kv_cache_usable runs every layer of every step
+    lib.linear_i8_tiles_vnni.argtypes, lib.linear_i8_tiles_vnni.restype = [], ctypes.c_int
     return lib
 
 
@@ -258,4 +262,60 @@ def linear_i8(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias: 
     y = x.new_empty(rows, w.shape[0])
     load().linear_i8_f32(x.data_ptr(), w.data_ptr(), scale.data_ptr(), _ptr(bias), y.data_ptr(), rows, w.shape[1],
                          w.shape[0], torch.get_num_threads())
+    return y
+
+
+# linear_i8_tiles' weights come in tiles of this many output channels
+TILE = 16
+
+
+class Int8Tiles(NamedTuple):
+    """An int8 weight laid out for linear_i8_tiles (cpu_ops.c): tiles [out / 16, in / 4, 16, 4], the correction
+    of each block's sums w_sum [out / 16, in / 32, 16] (128 x the block's weight sum), and the per-channel scales
+    [out]. The same quantization as quantize_weight_int8."""
+
+    tiles: torch.Tensor
+    w_sum: torch.Tensor
+    scale: torch.Tensor
+
+
+def int8_tiles_wanted() -> bool:
+    """Whether int8 layers multiply through linear_i8_tiles (one kernel and one weight copy for every row count)
+    rather than fbgemm for many rows and linear_i8 for a few: NANOVLLM_CPU_INT8_TILES=1 or 0 decides; by default
+    where this build has AVX512-VNNI (elsewhere the tiles run a plain C loop, correct but slow)."""
+    lib = load()
+    if lib is None:
+        return False
+    forced = os.environ.get("NANOVLLM_CPU_INT8_TILES", "auto")
+    if forced not in ("auto", "0", "1"):
+        raise ValueError(f"NANOVLLM_CPU_INT8_TILES must be 0, 1 or auto, got {forced!r}.")
+    return bool(lib.linear_i8_tiles_vnni()) if forced == "auto" else forced == "1"
+
+
+def quantize_weight_int8_tiles(weight: torch.Tensor) -> Int8Tiles | None:
+    """weight [out, in] float -> Int8Tiles; None when the shape does not tile (out not a multiple of 16, or in of
+    QUANT_BLOCK)."""
+    out_features, in_features = weight.shape
+    quantized = quantize_weight_int8(weight)
+    if quantized is None or out_features % TILE:
+        return None
+    q, scale = quantized
+    tiles = q.view(out_features // TILE, TILE, in_features // 4, 4).transpose(1, 2).contiguous()
+    block_sums = q.view(out_features // TILE, TILE, in_features // QUANT_BLOCK, QUANT_BLOCK).sum(-1, dtype=torch.int32)
+    return Int8Tiles(tiles, (128 * block_sums).transpose(1, 2).contiguous(), scale)
+
+
+def linear_i8_tiles(x: torch.Tensor, weight: Int8Tiles, bias: torch.Tensor | None,
+                    row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) for x [rows, in] float32 (any number of rows) and an Int8Tiles weight; row_scale [rows] (or
+    [rows, 1]): the input is x's rows times it (normalized rows, see layers/cpu.RowScaled)."""
+    x = x.contiguous()
+    rows, in_features = x.shape
+    out_features = weight.scale.shape[0]
+    y = x.new_empty(rows, out_features)
+    if row_scale is not None:
+        row_scale = row_scale.contiguous()
+    load().linear_i8_tiles_f32(x.data_ptr(), _ptr(row_scale), weight.tiles.data_ptr(), weight.w_sum.data_ptr(),
+                               weight.scale.data_ptr(), _ptr(bias), y.data_ptr(), rows, in_features, out_features,
+                               torch.get_num_threads())
     return y

@@ -14,7 +14,7 @@ from tests.helpers import hf_greedy, save_tiny_model
 def op_calls(monkeypatch) -> dict[str, list[int]]:
     """Spy on the compiled ops: the row count of every call, by op."""
     calls: dict[str, list[int]] = {}
-    for name in ("rope_store_attention", "add_rms_norm", "silu_and_mul", "linear_i8"):
+    for name in ("rope_store_attention", "add_rms_norm", "silu_and_mul", "linear_i8", "linear_i8_tiles"):
         original = getattr(cpu_ops, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
@@ -65,6 +65,25 @@ def test_cpu_int8_takes_the_int8_kernel_for_one_or_two_rows(tmp_path, op_calls):
     llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)
     assert "linear_i8" not in op_calls  # three rows: torch's int8 GEMM
     assert len(alone) == 4 and all(0 <= t < 384 for t in alone)
+
+
+def test_cpu_int8_tiles_take_steps_of_three_rows_or_more(tmp_path, op_calls, monkeypatch):
+    """With the compiled tiles (the default on AVX512-VNNI CPUs) steps of 3+ rows multiply there, a row or two in
+    the few-row kernel, with the same quantization: a request's tokens do not depend on what shares its steps."""
+    from nanovllm import LLM, SamplingParams
+
+    monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", "1")
+    path = save_tiny_model("llama", tmp_path / "llama")
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=64, cpu_int8=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [5, 6, 7, 300, 41]
+    alone = llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    # a prefill of 5 rows, then decode steps of one: 2 layers x (qkv, o, gate_up, down) + the LM head's last row
+    assert op_calls["linear_i8_tiles"] == [5] * 8 and set(op_calls["linear_i8"]) == {1}
+    op_calls.clear()
+    together = llm.generate([prompt, [9, 8, 7, 6, 5, 4, 3], [100, 200]], params, use_tqdm=False)
+    assert "linear_i8" not in op_calls and set(op_calls["linear_i8_tiles"]) >= {3, 14}
+    assert together[0]["token_ids"] == alone
 
 
 def test_a_float16_kv_cache_gives_the_torch_paths_tokens(tmp_path, op_calls):

@@ -211,6 +211,32 @@ def test_quantized_linear_tracks_float32_and_keeps_one_copy(path, bound):
     assert (layer(x) - expected).abs().max() > 0, f"the {path} path ran (it is not exact)"
 
 
+def test_int8_tiles_replace_fbgemms_copy_and_keep_the_few_row_kernels_numbers(monkeypatch):
+    """Where the compiled tiles are wanted, an int8 layer keeps them and the few-row kernel's copy (no fbgemm copy,
+    no float32 weight); every row count gives the few-row kernel's product, row by row, RowScaled input too."""
+    from nanovllm.kernels import cpu_ops
+
+    monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", "1")
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(64, 16, 4, 2, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(70, 64)
+    weight = layer.weight.detach().clone()
+    expected = F.linear(x, weight, layer.bias)
+    per_row = torch.cat([cpu_ops.linear_i8(x[r:r + 1], cpu_ops.quantize_weight_int8(weight), layer.bias)
+                         for r in range(70)])
+    layer.pack_for_cpu(int8=True, int8_rows=True)
+    assert layer.int8_tiles is not None and layer.int8_rows is not None
+    assert layer.int8_packed is None and layer.packed_weight is None and layer.weight.numel() == 0
+    for rows in (1, 2, 3, 70):
+        got = layer(x[:rows])
+        torch.testing.assert_close(got, per_row[:rows], rtol=1e-5, atol=1e-5)
+        assert (got - expected[:rows]).abs().max() < 0.03 * expected[:rows].abs().max()
+    scaled = cpu.RowScaled(*cpu.normalize_rows(x))
+    torch.testing.assert_close(layer(scaled), per_row, rtol=1e-5, atol=1e-5)
+
+
 def test_int8_scales_each_row_so_an_outsized_row_leaves_the_others_alone():
     """A token with activations 1000x the others' (a prompt's first often has them) must not coarsen the rest: one
     scale for the whole step would leave the other rows ~8 levels of int8 and errors of tens of percent."""

@@ -304,3 +304,79 @@ def test_linear_i8_is_the_integer_product_of_its_quantized_inputs(rows, out_feat
     # and close to the float product (int8 rounding: ~1 % of the largest output)
     full = x @ weight.t() + (0 if bias is None else bias)
     assert float((out - full).abs().max()) < 0.03 * float(full.abs().max())
+
+
+def _int8_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The product linear_i8 and linear_i8_tiles compute: x's rows quantized in blocks of 32 with a symmetric
+    scale each, the integer products of a block summed exactly, then scaled (float64)."""
+    rows, out_features = x.shape[0], w_q.shape[0]
+    blocks = x.view(rows, -1, cpu_ops.QUANT_BLOCK)
+    largest = blocks.abs().amax(dim=2, keepdim=True)
+    x_scale = largest / 127
+    x_q = torch.round(blocks * (127 / largest)).clamp(-127, 127).long()  # as the kernels round: x * (127 / max)
+    partial = torch.einsum("rbk,obk->rbo", x_q, w_q.long().view(out_features, -1, cpu_ops.QUANT_BLOCK)).double()
+    return (partial * x_scale.double()).sum(dim=1) * w_scale[None, :].double()
+
+
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 576), (80, 1536)])
+def test_int8_tiles_hold_the_weight_in_their_layout(out_features, in_features) -> None:
+    torch.manual_seed(4)
+    weight = torch.randn(out_features, in_features)
+    tiles, w_sum, scale = cpu_ops.quantize_weight_int8_tiles(weight)
+    q, q_scale = cpu_ops.quantize_weight_int8(weight)
+    assert torch.equal(scale, q_scale)
+    t, k4, c, i = 2 % tiles.shape[0], 5 % tiles.shape[1], 11, 3
+    assert tiles[t, k4, c, i] == q[t * 16 + c, k4 * 4 + i]
+    assert torch.equal(tiles.permute(0, 2, 1, 3).reshape(out_features, in_features), q)
+    assert torch.equal(w_sum.permute(0, 2, 1).reshape(out_features, -1), 128 * q.view(out_features, -1, 32).sum(-1))
+    assert cpu_ops.quantize_weight_int8_tiles(torch.randn(24, 64)) is None  # out not a multiple of 16
+    assert cpu_ops.quantize_weight_int8_tiles(torch.randn(16, 48)) is None  # in not a multiple of 32
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 576), (80, 1536)])
+def test_linear_i8_tiles_is_linear_i8s_product_at_any_row_count(rows, out_features, in_features) -> None:
+    torch.manual_seed(rows)
+    weight, x, bias = torch.randn(out_features, in_features), torch.randn(rows, in_features) * 5, torch.randn(out_features)
+    x[0, 7] = 40.0  # an outlier channel: only its block's scale follows it
+    tiles = cpu_ops.quantize_weight_int8_tiles(weight)
+    q, w_scale = cpu_ops.quantize_weight_int8(weight)
+    out = cpu_ops.linear_i8_tiles(x, tiles, bias)
+    torch.testing.assert_close(out.double(), _int8_reference(x, q, w_scale) + bias.double(), rtol=1e-5, atol=1e-4)
+    few_rows = torch.cat([cpu_ops.linear_i8(x[r:r + 1].contiguous(), (q, w_scale), bias) for r in range(rows)])
+    torch.testing.assert_close(out, few_rows, rtol=1e-5, atol=1e-4)
+    # rows given normalized with their scales apart (layers/cpu.RowScaled) give the same product
+    row_max = x.abs().amax(dim=1, keepdim=True)
+    torch.testing.assert_close(cpu_ops.linear_i8_tiles(x / row_max, tiles, bias, row_max), out, rtol=1e-5, atol=1e-4)
+    full = x @ weight.t() + bias
+    assert float((out - full).abs().max()) < 0.03 * float(full.abs().max())
+
+
+def test_the_plain_tiles_loop_gives_the_vnni_kernels_numbers(tmp_path, monkeypatch) -> None:
+    """Without AVX512-VNNI the tiles run a plain C loop (what the suite runs on such CPUs): built so here, it must
+    give this build's numbers (on a CPU without VNNI both builds are that loop)."""
+    import ctypes
+
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path))
+    plain = ctypes.CDLL(str(cpu_ops.build(cpu_ops._compiler(), ("-mno-avx512vnni",))))
+    plain.linear_i8_tiles_vnni.restype = ctypes.c_int
+    assert plain.linear_i8_tiles_vnni() == 0
+    function = plain.linear_i8_tiles_f32
+    function.argtypes, function.restype = cpu_ops.SIGNATURES["linear_i8_tiles_f32"], None
+    torch.manual_seed(5)
+    for rows, out_features, in_features in ((1, 48, 576), (2, 64, 64), (9, 80, 1536), (64, 96, 576)):
+        weight, x, bias = torch.randn(out_features, in_features), torch.randn(rows, in_features), torch.randn(out_features)
+        tiles = cpu_ops.quantize_weight_int8_tiles(weight)
+        y = torch.empty(rows, out_features)
+        function(x.data_ptr(), None, tiles.tiles.data_ptr(), tiles.w_sum.data_ptr(), tiles.scale.data_ptr(),
+                 bias.data_ptr(), y.data_ptr(), rows, in_features, out_features, 2)
+        torch.testing.assert_close(y, cpu_ops.linear_i8_tiles(x, tiles, bias), rtol=1e-6, atol=1e-5)
+
+
+def test_int8_tiles_are_wanted_where_asked_or_where_the_cpu_has_vnni(monkeypatch) -> None:
+    for value, wanted in (("1", True), ("0", False), ("auto", bool(cpu_ops.load().linear_i8_tiles_vnni()))):
+        monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", value)
+        assert cpu_ops.int8_tiles_wanted() == wanted
+    monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", "yes")
+    with pytest.raises(ValueError, match="NANOVLLM_CPU_INT8_TILES must be 0, 1 or auto, got 'yes'"):
+        cpu_ops.int8_tiles_wanted()

@@ -62,9 +62,16 @@ def test_leaving_a_stream_aborts_the_request_and_frees_its_blocks(llm):
         assert not first.finished
         assert llm.engine.scheduler.block_manager.usage > 0
         stream.close()
-        # cancelling a waiting consumer aborts too
-        task = asyncio.ensure_future(collect(llm, "Talk forever, again.", params, "long2"))
-        await asyncio.sleep(0.2)
+        # cancelling a waiting consumer aborts too (once its request runs: a fast machine finishes a tiny model's
+        # 500 tokens within a fixed wait)
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in llm.generate("Talk forever, again.", params, "long2"):
+                started.set()
+
+        task = asyncio.ensure_future(consume())
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
