@@ -626,8 +626,9 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
    one, so x goes in as q + 128 (no saturation: its sums are int32) and each block's sum is corrected by
    128 * the block's weight sum (w_sum: [out / 16][in / 32][16], computed once with the layout). Measured on a
    2-core AVX512-VNNI CPU: as fast as or faster than fbgemm's int8 GEMM (per-row scales, 7-bit activations) at
-   1-1024 rows, with half its error, and 2x the few-row kernel above with the weights in cache. Without VNNI a
-   plain C loop computes the same numbers (the tests run it anywhere; the engine takes it only with VNNI). */
+   16-1024 rows, with half its error; at one row, with the weights streamed from memory, ~15 % slower than the
+   few-row kernel above, which keeps its steps of one or two rows. Without VNNI a plain C loop computes the same
+   numbers (the tests run it anywhere; the engine takes it only with VNNI). */
 #define TILE 16
 
 int linear_i8_tiles_vnni(void) {

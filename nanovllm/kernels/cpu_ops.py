@@ -251,8 +251,10 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if weight.shape[1] % QUANT_BLOCK:
         return None
     weight = weight.detach().float()
-    scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
-    return (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+    scale = (torch.linalg.vector_norm(weight, float("inf"), dim=1) / 127).clamp_min(1e-12)
+    # one float temporary, rounded in place: the LM head's is as large as its float32 weight (peak memory)
+    steps = weight / scale[:, None]
+    return steps.round_().clamp_(-127, 127).to(torch.int8), scale.contiguous()
 
 
 def linear_i8(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
@@ -295,11 +297,15 @@ def int8_tiles_wanted() -> bool:
 def quantize_weight_int8_tiles(weight: torch.Tensor) -> Int8Tiles | None:
     """weight [out, in] float -> Int8Tiles; None when the shape does not tile (out not a multiple of 16, or in of
     QUANT_BLOCK)."""
-    out_features, in_features = weight.shape
     quantized = quantize_weight_int8(weight)
-    if quantized is None or out_features % TILE:
+    return None if quantized is None else int8_tiles(*quantized)
+
+
+def int8_tiles(q: torch.Tensor, scale: torch.Tensor) -> Int8Tiles | None:
+    """quantize_weight_int8's pair laid out as Int8Tiles; None when out_features is not a multiple of 16."""
+    out_features, in_features = q.shape
+    if out_features % TILE:
         return None
-    q, scale = quantized
     tiles = q.view(out_features // TILE, TILE, in_features // 4, 4).transpose(1, 2).contiguous()
     block_sums = q.view(out_features // TILE, TILE, in_features // QUANT_BLOCK, QUANT_BLOCK).sum(-1, dtype=torch.int32)
     return Int8Tiles(tiles, (128 * block_sums).transpose(1, 2).contiguous(), scale)
