@@ -282,9 +282,9 @@ class Int8Tiles(NamedTuple):
 
 
 def int8_tiles_wanted() -> bool:
-    """Whether int8 layers multiply through linear_i8_tiles (one kernel and one weight copy for every row count)
-    rather than fbgemm for many rows and linear_i8 for a few: NANOVLLM_CPU_INT8_TILES=1 or 0 decides; by default
-    where this build has AVX512-VNNI (elsewhere the tiles run a plain C loop, correct but slow)."""
+    """Whether int8 layers multiply their steps of many rows through linear_i8_tiles (linear_i8's numbers) rather
+    than fbgemm (a row or two take linear_i8 either way): NANOVLLM_CPU_INT8_TILES=1 or 0 decides; by default where
+    this build has AVX512-VNNI (elsewhere the tiles run a plain C loop, correct but slow)."""
     lib = load()
     if lib is None:
         return False
