@@ -134,7 +134,7 @@ class EngineConfig:
             if self.is_cuda:
                 return torch.bfloat16
             # the int8 and float16 weight paths and the int8 KV cache compute in float32: asking for one asks for it
-            if self.cpu_int8 or self.cpu_fp16 or self.cpu_fp16_decode or self.kv_cache_dtype == "int8":
+            if self.cpu_int8 or self.cpu_fp16 or self.kv_cache_dtype == "int8":  # (cpu_fp16_decode set cpu_fp16)
                 return torch.float32
             from nanovllm.layers.cpu import default_cpu_dtype
             return default_cpu_dtype()

@@ -593,6 +593,15 @@ static inline float dot_i8(const int8_t *a, const float *a_scale, const int8_t *
 }
 #endif
 
+/* QBLOCK values of x -> q in [-127, 127], steps of their largest magnitude / 127 (returned; 0 for zeros) */
+static inline float quantize_block_i8(const float *x, int8_t *q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < QBLOCK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t i = 0; i < QBLOCK; i++) q[i] = (int8_t)lrintf(x[i] * inv);
+  return amax / 127.0f;
+}
+
 /* x: [rows, in] float32 (rows contiguous; a few rows: they are quantized on the stack); w: [out, in] int8;
    w_scale: [out]; bias: [out] or NULL; y: [rows, out]. */
 void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const float *bias, float *y,
@@ -600,14 +609,7 @@ void linear_i8_f32(const float *x, const int8_t *w, const float *w_scale, const 
   const int64_t blocks = in / QBLOCK;
   float x_scale[rows * blocks];
   int8_t xq[rows * in];
-  for (int64_t b = 0; b < rows * blocks; b++) {
-    const float *xb = x + b * QBLOCK;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-    x_scale[b] = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t i = 0; i < QBLOCK; i++) xq[b * QBLOCK + i] = (int8_t)lrintf(xb[i] * inv);
-  }
+  for (int64_t b = 0; b < rows * blocks; b++) x_scale[b] = quantize_block_i8(x + b * QBLOCK, xq + b * QBLOCK);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t j = 0; j < out; j++) {
     const int8_t *wj = w + j * in;
@@ -643,32 +645,31 @@ int linear_i8_tiles_vnni(void) {
 static void quantize_row_u8(const float *x, uint8_t *q, float *scale, int64_t in, float row_scale) {
   for (int64_t b = 0; b < in / QBLOCK; b++) {
     const float *xb = x + b * QBLOCK;
+    uint8_t *qb = q + b * QBLOCK;
+    /* + 128 of a byte in [-127, 127] is its top bit flipped */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    const __m128i offset = _mm_set1_epi8((char)0x80);  /* + 128 of a byte in [-127, 127] is its top bit flipped */
-    _mm_storeu_si128((__m128i *)(q + b * QBLOCK),
+    const __m128i offset = _mm_set1_epi8((char)0x80);
+    _mm_storeu_si128((__m128i *)qb,
                      _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))), offset));
-    _mm_storeu_si128((__m128i *)(q + b * QBLOCK + 16),
+    _mm_storeu_si128((__m128i *)(qb + 16),
                      _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))), offset));
-#else
-    float amax = 0.0f;
-    for (int64_t i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t i = 0; i < QBLOCK; i++) q[b * QBLOCK + i] = (uint8_t)(lrintf(xb[i] * inv) + 128);
-#endif
     scale[b] = amax / 127.0f * row_scale;
+#else
+    scale[b] = quantize_block_i8(xb, (int8_t *)qb) * row_scale;
+    for (int64_t i = 0; i < QBLOCK; i++) qb[i] ^= 0x80;
+#endif
   }
 }
 
 #define TILE_ROWS 6
-#define TILE_GROUP 4
+#define TILE_GROUP 2
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* y[R rows, T tiles of 16 channels] from R quantized rows and T consecutive weight tiles (R, T constants where
-   inlined: 12 int32 and 12 float accumulators in registers at R = 6, T = 2; a row or two take T = 4, more loads
-   in flight). Per block of 32 inputs: 8 dpbusd a (row, tile), then the block's correction and scale into the
-   float sums. */
+   inlined: 12 int32 and 12 float accumulators in registers at R = 6, T = 2). Per block of 32 inputs: 8 dpbusd a
+   (row, tile), then the block's correction and scale into the float sums. */
 static inline __attribute__((always_inline)) void tiles_kernel(const int R, const int T, const uint8_t *xq,
                                                                const float *xs, const int8_t *w, const int32_t *w_sum,
                                                                int64_t in, float *sums) {
@@ -701,18 +702,14 @@ static inline __attribute__((always_inline)) void tiles_kernel(const int R, cons
 }
 #endif
 
-/* sums [rows][TILE_GROUP][16]: the scaled block sums of `rows` (<= TILE_ROWS) rows by T consecutive tiles (1-2;
-   up to TILE_GROUP for 1-2 rows) */
+/* sums [rows][TILE_GROUP][16]: the scaled block sums of `rows` (<= TILE_ROWS) rows by T (<= TILE_GROUP)
+   consecutive tiles */
 static void tiles_rows(int64_t rows, int T, const uint8_t *xq, const float *xs, const int8_t *w,
                        const int32_t *w_sum, int64_t in, float *sums) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define TILES_CALL(R, T) tiles_kernel(R, T, xq, xs, w, w_sum, in, sums)
-#define FEW_ROWS(R) case R: switch (T) { case 1: TILES_CALL(R, 1); break; case 2: TILES_CALL(R, 2); break; \
-                                         case 3: TILES_CALL(R, 3); break; default: TILES_CALL(R, 4); } break;
-#define ROWS(R) case R: if (T == 2) TILES_CALL(R, 2); else TILES_CALL(R, 1); break;
-  switch (rows) { FEW_ROWS(1) FEW_ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
-#undef TILES_CALL
-#undef FEW_ROWS
+#define ROWS(R) case R: if (T == 2) tiles_kernel(R, 2, xq, xs, w, w_sum, in, sums); \
+                      else tiles_kernel(R, 1, xq, xs, w, w_sum, in, sums); break;
+  switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
 #undef ROWS
 #else
   const int64_t blocks = in / QBLOCK;
@@ -737,29 +734,22 @@ static void tiles_rows(int64_t rows, int T, const uint8_t *xq, const float *xs, 
 
 /* x: [rows, in] float32 (rows contiguous); row_scale: [rows] or NULL (x's rows times it are the input);
    w: [out / 16] tiles as above; w_sum: [out / 16][in / 32][16]; w_scale, bias (or NULL): [out]; y: [rows, out].
-   in a multiple of 32, out of 16. Threads share out groups of tiles (4 for one or two rows, else 2): each reads
-   its weights once. A row or two are quantized before the threads start (no barrier between). */
+   in a multiple of 32, out of 16. Threads share out pairs of tiles: each reads its weights once. */
 void linear_i8_tiles_f32(const float *x, const float *row_scale, const int8_t *w, const int32_t *w_sum,
                          const float *w_scale, const float *bias, float *y, int64_t rows, int64_t in, int64_t out,
                          int num_threads) {
-  const int64_t blocks = in / QBLOCK, tiles = out / TILE, group = rows <= 2 ? TILE_GROUP : 2;
+  const int64_t blocks = in / QBLOCK, tiles = out / TILE;
   uint8_t *xq = malloc(rows * in);
   float *xs = malloc(sizeof(float) * rows * blocks);
-  const int few = rows <= 2;
-  if (few)
-    for (int64_t r = 0; r < rows; r++)
-      quantize_row_u8(x + r * in, xq + r * in, xs + r * blocks, in, row_scale ? row_scale[r] : 1.0f);
 #pragma omp parallel num_threads(num_threads)
   {
-    if (!few) {
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < rows; r++)
-        quantize_row_u8(x + r * in, xq + r * in, xs + r * blocks, in, row_scale ? row_scale[r] : 1.0f);
-    }
+    for (int64_t r = 0; r < rows; r++)
+      quantize_row_u8(x + r * in, xq + r * in, xs + r * blocks, in, row_scale ? row_scale[r] : 1.0f);
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < (tiles + group - 1) / group; g++) {
-      const int64_t t0 = g * group;
-      const int T = tiles - t0 < group ? (int)(tiles - t0) : (int)group;
+    for (int64_t g = 0; g < (tiles + TILE_GROUP - 1) / TILE_GROUP; g++) {
+      const int64_t t0 = g * TILE_GROUP;
+      const int T = tiles - t0 < TILE_GROUP ? (int)(tiles - t0) : TILE_GROUP;
       float sums[TILE_ROWS * TILE_GROUP * TILE];
       for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
         const int64_t n = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
