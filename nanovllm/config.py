@@ -150,8 +150,16 @@ class EngineConfig:
 
 
 def model_max_len(hf_config) -> int:
-    """The longest sequence the model supports (a sliding window caps it: we do not implement windows)."""
+    """The longest sequence the model supports (a sliding window caps it: we do not implement windows).
+
+    YaRN stretches the positions the model was trained on by its factor: Qwen3's 32,768 x 4 = 131,072 tokens,
+    the limit vLLM derives too (max_position_embeddings may hold the pretrained window or already more)."""
     limit = getattr(hf_config, "max_position_embeddings", None) or 4096
+    from nanovllm.layers.rotary import rope_parameters
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] == "yarn" and rope.get("factor"):
+        trained = rope.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(trained * rope["factor"]))
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True):
         limit = min(limit, window)

@@ -72,7 +72,10 @@ class LLMEngine:
 
         limit = model_max_len(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's limit of {limit} tokens.")
+            raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's limit of {limit} tokens "
+                             "(max_position_embeddings, stretched by a YaRN rope_scaling factor if config.json has "
+                             "one: Qwen3 reaches 131,072 with {'rope_type': 'yarn', 'factor': 4.0, "
+                             "'original_max_position_embeddings': 32768}).")
         self.max_model_len = config.max_model_len or limit
 
         Sequence.block_size = config.kvcache_block_size

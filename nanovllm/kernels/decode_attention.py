@@ -9,9 +9,11 @@ kernel rescales and sums the splits. With a single split the split kernel writes
 
 Splits of one request::
 
-    keys:   0 ........ T ........ 2T ........ 3T ... seq_len       (T = tokens_per_split)
-            |-split 0--|--split 1--|--split 2--|--...-|
+    keys:   0 ........ T ........ 2T ........ 3T ... seq_len       (T = tokens_per_split of this request:
+            |-split 0--|--split 1--|--split 2--|--...-|         seq_len / num_splits in whole tiles, >= a minimum)
     a split past seq_len has no keys: it writes max = -inf, sum = 0 and the reduction gives it weight 0.
+    The number of splits is planned from max_seq_len (a CUDA graph's bound); each request's split length from its
+    own seq_len, so a short request in a graph planned for a long one still spreads over the whole grid.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _decode_split_kernel(
     partial_sum_ptr,            # [num_seqs, num_heads, num_splits] fp32
     partial_acc_ptr,            # [num_seqs, num_heads, num_splits, head_dim] fp32, unnormalised
     scale_log2,                 # softmax scale * log2(e): scores go through exp2
-    tokens_per_split,           # a multiple of BLOCK_N
+    min_tokens_per_split,       # a multiple of BLOCK_N
     num_splits,
     q_stride_seq, q_stride_head,
     out_stride_seq, out_stride_head,
@@ -66,6 +68,10 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Each request spreads its own keys over every split (whole tiles, at least min_tokens_per_split a split),
+    # so a graph whose split plan was made for max_model_len still reads a shorter request with the whole grid.
+    tile_count = (seq_len + num_splits * BLOCK_N - 1) // (num_splits * BLOCK_N)
+    tokens_per_split = tl.maximum(tile_count * BLOCK_N, min_tokens_per_split)
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
 
@@ -204,8 +210,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, q's dtype
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (the query token's key is
     already in the cache, so seq_lens counts it)
-    max_seq_len: a python int >= every seq_lens[i]; sets the split plan. Keys past
-    num_splits * tokens_per_split are NOT read, so an underestimate silently drops keys.
+    max_seq_len: a python int, the longest seq_lens[i] expected; sets the number of splits. Each request
+    divides its own keys among them, so every key is read whatever max_seq_len says.
     out: optional [num_seqs, num_heads, head_dim] destination (may be a view into a larger tensor).
     Returns out (softmax in fp32, stored in q's dtype). A request with seq_len 0 gets zeros.
 
@@ -233,8 +239,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
 
     config = config or default_decode_config(head_dim, q.dtype)
-    num_splits, tokens_per_split = plan_splits(num_seqs, num_kv_heads, max_seq_len, config.block_n, q.device,
-                                               num_splits)
+    asked_splits = num_splits
+    num_splits, _ = plan_splits(num_seqs, num_kv_heads, max_seq_len, config.block_n, q.device, num_splits)
+    # a split count asked for by the caller is honoured down to one tile a split; the planned one keeps splits
+    # long enough to be worth their partials
+    min_tokens_per_split = config.block_n if asked_splits else triton.cdiv(MIN_TOKENS_PER_SPLIT,
+                                                                           config.block_n) * config.block_n
 
     group = num_heads // num_kv_heads
     if num_splits == 1:
@@ -246,7 +256,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                   device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_acc,
-        scale * LOG2E, tokens_per_split, num_splits,
+        scale * LOG2E, min_tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),

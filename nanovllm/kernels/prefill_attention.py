@@ -1,8 +1,8 @@
 """Causal varlen attention of prefill chunks over the paged KV cache (cached prefix + the chunk itself).
 
-One program per (tile of BLOCK_M queries, query head, request). Every key, of the cached context and
-of the chunk alike, is read from the paged cache through the block table (the chunk's own K/V were
-stored first), in tiles of BLOCK_N keys with an online softmax in fp32. One request::
+One program per (tile of BLOCK_M queries, query head -- or several of one KV head's --, request). Every key,
+of the cached context and of the chunk alike, is read from the paged cache through the block table (the
+chunk's own K/V were stored first), in tiles of BLOCK_N keys with an online softmax in fp32. One request::
 
     keys:     0 ................ context_len ................ seq_len
               <--- cached context ---><------- this chunk ------->
@@ -94,10 +94,12 @@ def _prefill_attention_kernel(
     BLOCK_SIZE: tl.constexpr,    # tokens per cache block
     BLOCK_M: tl.constexpr,       # queries per tile
     BLOCK_N: tl.constexpr,       # keys per tile; a tile may span blocks or be part of one
+    HEADS: tl.constexpr,         # query heads of one kv head in a program: they share each K/V tile it loads
     DOT_PRECISION: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
-    head = tl.program_id(1)
+    # The last query tiles see the most keys: they start first, so the lightest tiles fill the final wave.
+    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    head_group = tl.program_id(1)
     seq = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -107,23 +109,26 @@ def _prefill_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
 
-    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # HEADS x BLOCK_M rows: row r is query (r % BLOCK_M) of the tile for head (r // BLOCK_M) of the group
+    tile_rows = tl.arange(0, HEADS * BLOCK_M)
+    heads = head_group * HEADS + tile_rows // BLOCK_M
+    rows = q_tile * BLOCK_M + tile_rows % BLOCK_M
     row_mask = rows < query_len
     positions = context_len + rows  # padding rows sit past seq_len: they see every key, never stored
     dims = tl.arange(0, HEAD_DIM)
     tokens = (q_start + rows).to(tl.int64)
-    # q: [BLOCK_M, HEAD_DIM]
-    q = tl.load(q_ptr + tokens[:, None] * q_stride_token + head * q_stride_head + dims[None, :],
+    # q: [HEADS * BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
                 mask=row_mask[:, None], other=0.0)
 
-    kv_head_offset = (head // GROUP) * HEAD_DIM
+    kv_head_offset = (head_group * HEADS // GROUP) * HEAD_DIM
     k_head_ptr = k_cache_ptr + kv_head_offset
     v_head_ptr = v_cache_ptr + kv_head_offset
     table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i = tl.full([HEADS * BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS * BLOCK_M], tl.float32)
+    acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], tl.float32)
     first_position = context_len + q_tile * BLOCK_M
     unmasked_end = (first_position // BLOCK_N) * BLOCK_N
     key_end = tl.minimum(first_position + BLOCK_M, seq_len)
@@ -139,7 +144,7 @@ def _prefill_attention_kernel(
     )
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + tokens[:, None] * out_stride_token + head * out_stride_head + dims[None, :],
+    tl.store(out_ptr + tokens[:, None] * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
@@ -151,6 +156,7 @@ class PrefillConfig:
     block_n: int      # keys per tile
     num_warps: int
     num_stages: int
+    heads: int = 1    # query heads of a KV head per program (a divisor of the GQA group): one K/V load serves all
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
@@ -198,14 +204,17 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
 
     config = config or default_prefill_config(head_dim, q.dtype)
-    grid = (triton.cdiv(max_query_len, config.block_m), num_heads, num_seqs)
+    group = num_heads // num_kv_heads
+    assert group % config.heads == 0 and config.heads & (config.heads - 1) == 0, \
+        f"heads a program {config.heads} must be a power of two dividing the GQA group of {group}"
+    grid = (triton.cdiv(max_query_len, config.block_m), num_heads // config.heads, num_seqs)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS=config.heads,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -52,6 +52,16 @@ def test_loose_max_seq_len_bound_leaves_empty_splits(paged_batch, tolerances) ->
     torch.testing.assert_close(out, ref, **tolerances[torch.float32])
 
 
+def test_a_short_bound_still_reads_every_key(paged_batch, tolerances) -> None:
+    """Each request splits its own keys: a max_seq_len below a request's length changes the plan, not the
+    result (the split count for a 16-key bound, then each split's length from the request's 300 keys)."""
+    batch = paged_batch([1, 1], [299, 40], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                        dtype=torch.float32)
+    for num_splits in (None, 4):
+        out, ref = _run(batch, 0.3, max_seq_len=16, num_splits=num_splits)
+        torch.testing.assert_close(out, ref, **tolerances[torch.float32])
+
+
 def test_strided_q_and_out_view(paged_batch, tolerances) -> None:
     """q sliced from a fused qkv projection; out written into a view of a larger buffer."""
     num_heads, num_kv_heads, head_dim = 4, 2, 64

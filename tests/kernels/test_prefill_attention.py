@@ -49,9 +49,10 @@ def test_matches_reference(paged_batch, tolerances, num_heads, num_kv_heads, hea
 
 
 @pytest.mark.parametrize("config", [PrefillConfig(16, 16, 4, 2), PrefillConfig(32, 128, 4, 2),
-                                    PrefillConfig(64, 16, 4, 2)])
+                                    PrefillConfig(64, 16, 4, 2), PrefillConfig(16, 32, 4, 2, heads=2)])
 def test_other_tilings(paged_batch, tolerances, config) -> None:
-    """Query tiles smaller and larger than key tiles: the unmasked/masked split of the key range moves."""
+    """Query tiles smaller and larger than key tiles: the unmasked/masked split of the key range moves; both
+    query heads of a KV head in one program."""
     batch = _batch(paged_batch, [(1, 0), (17, 15), (50, 47), (9, 130)], num_heads=4, num_kv_heads=2,
                    head_dim=32, block_size=16, dtype=torch.float32)
     out, ref = _run(batch, 0.2, config=config)
