@@ -6,7 +6,7 @@ over S. Random weights from a config.json (Qwen3-0.6B shape by default), random 
 Prompts past the model's window get YaRN (factor 4 over the config's max_position_embeddings or
 original_max_position_embeddings), as Qwen3's model cards describe for 128k contexts.
 
-    python benchmarks/long_context.py --prompt-lens 8192 32768 131072 --batches 1 8 --out results/long_context.json
+    python benchmarks/long_context.py --prompt-lens 8192 32768 131000 --batches 1 8 --out results/long_context.json
 
 Floors: prefill = (matmul + causal attention FLOPs) / the bf16 peak; decode = (weights + every request's K/V)
 bytes / the copy bandwidth.
@@ -90,7 +90,8 @@ def timed_generate(llm: LLM, prompts, max_tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a folder with config.json (random weights)")
-    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[8192, 32768, 131072])
+    # 128k: a prompt that with its decode steps stays within YaRN's 131,072 positions
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[8192, 32768, 131000])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384,

@@ -160,11 +160,12 @@ class PrefillConfig:
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """A 32 KiB query tile and two stages of 16 KiB K and V tiles: ~96 KiB of shared memory
-    (16-bit head_dim 128: 128 queries x 64 keys; larger rows shrink the tiles)."""
+    """A 32 KiB query tile and two stages of 32 KiB K and V tiles: ~160 KiB of shared memory
+    (16-bit head_dim 128: 128 queries x 128 keys, the best of the H200 sweep in docs/benchmarks.md; larger rows
+    shrink the tiles)."""
     row_bytes = head_dim * dtype.itemsize
     block_m = min(128, max(32, 32768 // row_bytes))
-    block_n = min(64, max(16, 16384 // row_bytes))
+    block_n = min(128, max(16, 32768 // row_bytes))
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=8 if block_m == 128 else 4, num_stages=2)
 
 

@@ -39,7 +39,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config, head_dim)
         positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
+        # transformers' scaled variants (llama3, yarn) build their frequencies on the CPU, whatever device the
+        # model is being built on
+        freqs = torch.outer(positions, inv_freq.to(positions.device))
         emb = torch.cat((freqs, freqs), dim=-1)
         # [max_position, head_dim] each; float32, cast to the activations' dtype on use
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)

@@ -99,3 +99,19 @@ def test_gpu_requests_share_the_blocks_filled_in_their_step(tiny_qwen3):
     gpu = LLM(tiny_qwen3, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256)
     assert [o.token_ids for o in gpu.generate(batch, GREEDY, use_tqdm=False)] == expected
     assert gpu.scheduler.block_manager.num_hit_tokens == 3 * 96  # six full blocks each, after the first
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {}),  # llama3 RoPE scaling
+    ("qwen3", {"max_position_embeddings": 64,
+               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+])
+def test_gpu_scaled_rope_equals_cpu(tmp_path, family, overrides):
+    """transformers builds scaled RoPE frequencies on the CPU: the CUDA model must still build, and agree."""
+    from tests.helpers import save_tiny_model
+    path = save_tiny_model(family, tmp_path / family, seed=7, **overrides)
+    batch = [p[:250] for p in prompts()]
+    cpu = LLM(path, device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256)
+    expected = [o.token_ids for o in cpu.generate(batch, GREEDY, use_tqdm=False)]
+    gpu = LLM(path, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256)
+    assert [o.token_ids for o in gpu.generate(batch, GREEDY, use_tqdm=False)] == expected
