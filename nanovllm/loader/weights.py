@@ -29,7 +29,11 @@ def _checkpoint_names(model: nn.Module) -> dict[str, tuple[str, object]]:
     """Every checkpoint tensor name the model expects -> (our parameter name, shard id)."""
     packed = getattr(model, "packed_modules_mapping", {})
     expected = {}
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
+        names_of = getattr(param, "checkpoint_names", None)
+        if names_of is not None:  # filled from tensors named its own way (experts stacked from per-expert tensors)
+            expected.update((ckpt_name, (name, shard_id)) for ckpt_name, shard_id in names_of(name).items())
+            continue
         for ckpt_part, (our_part, shard_id) in packed.items():
             if f".{our_part}." in name:
                 expected[name.replace(f".{our_part}.", f".{ckpt_part}.")] = (name, shard_id)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from nanovllm.models.decoder import DecoderForCausalLM, FamilyTraits
+from nanovllm.models.mixtral import MixtralForCausalLM
+from nanovllm.models.qwen2_moe import Qwen2MoeForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -22,12 +25,16 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,  # Llama's layers; sliding windows are handled by capping max_model_len
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
 # a config without `architectures` is recognised by its model_type
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "mixtral": "MixtralForCausalLM"}
 
 
 def model_class(config) -> type[DecoderForCausalLM]:

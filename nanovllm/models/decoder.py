@@ -78,13 +78,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; supported: 'silu'.")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,10 +93,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, traits: FamilyTraits, rotary: RotaryEmbedding):
+    def __init__(self, config, traits: FamilyTraits, rotary: RotaryEmbedding, mlp: nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, traits, rotary)
-        self.mlp = DecoderMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -111,12 +112,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, traits: FamilyTraits, max_position: int):
+    def __init__(self, config, traits: FamilyTraits, max_position: int, make_mlp=None):
+        """make_mlp(config, layer_index) -> the layer's feed-forward (default: the dense DecoderMLP)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # one table of cos/sin shared by every layer (a buffer, not a parameter: nothing to load)
         rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, traits, rotary) for _ in range(config.num_hidden_layers))
+        make_mlp = make_mlp or (lambda config, index: DecoderMLP(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, traits, rotary, make_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -143,11 +147,16 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config, max_position: int):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.traits, max_position)
+        self.model = DecoderModel(config, self.traits, max_position, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def make_mlp(cls, config, layer_index: int) -> nn.Module:
+        """The feed-forward of one layer: dense here; a mixture-of-experts family decides per layer."""
+        return DecoderMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -162,6 +171,8 @@ class DecoderForCausalLM(nn.Module):
         over a tensor fewer per layer. Only in layers whose linears multiply in int8 on one rank."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, DecoderMLP):
+                continue  # experts multiply in the model's dtype
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(linear.int8_packed is None or linear.tp_size > 1 for linear in linears):
                 continue
