@@ -26,3 +26,9 @@ os.environ.setdefault("NANOVLLM_CPU_INT8_TILES", "0")
 def tiny_qwen3(tmp_path_factory) -> str:
     from tests.helpers import save_tiny_model
     return save_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    from tests.helpers import save_tiny_model
+    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("tiny-qwen3-moe"))

@@ -12,10 +12,29 @@ TINY_COMMON = dict(
 
 
 def tiny_config(family: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     kw = dict(TINY_COMMON)
-    if family == "qwen3":
+    if family == "qwen3_moe":
+        # 8 experts, top-2; layer 1 keeps the dense MLP (mlp_only_layers), layers 0, 2 and 3 are sparse
+        kw.update(head_dim=32, num_hidden_layers=4, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                  norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
+        cls = Qwen3MoeConfig
+    elif family == "qwen2_moe":
+        kw.update(num_hidden_layers=3, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                  num_experts_per_tok=2, decoder_sparse_step=2)  # layer 1 sparse, layers 0 and 2 dense
+        cls = Qwen2MoeConfig
+    elif family == "mixtral":
+        kw.update(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+        cls = MixtralConfig
+    elif family == "qwen3":
         kw.update(head_dim=32)
         cls = Qwen3Config
     elif family == "qwen2":
