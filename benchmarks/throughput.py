@@ -42,26 +42,48 @@ def workload(name: str, num_requests: int):
     return prompts, params
 
 
+def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts a step of `tokens` tokens reads, when each token picks top_k of them at random."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
 def roofline_seconds(llm: LLM, prompts, params) -> tuple[float, float]:
     """(memory floor, compute floor) in seconds: every decode step reads the weights and each live KV once.
 
-    With tensor parallelism the work is spread over that many GPUs, so their bandwidth and FLOPs add up.
+    Mixture of experts: a decode step reads the dense weights (attention, router, dense layers, LM head) and,
+    in each sparse layer, only the experts its tokens picked (expected distinct experts of `running` tokens
+    routed at random; at 256 requests x 8 of 128 experts that is nearly all); a token's FLOPs count its top_k
+    experts. With tensor parallelism the work is spread over that many GPUs, so their bandwidth and FLOPs add up.
     """
+    from nanovllm.layers.fused_moe import FusedExperts
+
     cfg = llm.hf_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
     model = getattr(llm.runner, "runner", llm.runner).model
+    gpus = llm.config.tensor_parallel_size
     weight_params = sum(p.numel() for p in model.parameters())  # a tied embedding counts once, as the LM head
     if not model.tie_word_embeddings:
         # a step reads only its tokens' rows of an input embedding of its own (Qwen3-8B: 0.6 G of 8.2 G params)
         weight_params -= model.model.embed_tokens.weight.numel()
-    weight_params *= llm.config.tensor_parallel_size
+    expert_layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    expert_params = sum(m.w13_weight.numel() + m.w2_weight.numel() for m in expert_layers)
+    dense_params = (weight_params - expert_params) * gpus
+    num_experts = expert_layers[0].num_experts if expert_layers else 0
+    top_k = getattr(cfg, "num_experts_per_tok", 0) if expert_layers else 0
+    per_expert = expert_params * gpus / (len(expert_layers) * num_experts) if expert_layers else 0  # of one layer
     kv_reads = sum(len(p) * sp.max_tokens + sp.max_tokens * (sp.max_tokens - 1) // 2 for p, sp in zip(prompts, params))
     decode_steps = max(sp.max_tokens for sp in params)  # all requests fit at once on the card
-    gpus = llm.config.tensor_parallel_size
-    memory = (kv_reads * kv_bytes + decode_steps * weight_params * 2) / (COPY_BANDWIDTH * gpus)
+    lengths = sorted(sp.max_tokens for sp in params)
+    weight_reads = 0.0
+    for step in range(decode_steps):  # requests still running at each step read their experts
+        running = len(lengths) - next((i for i, n in enumerate(lengths) if n > step), len(lengths))
+        hit = expected_experts_hit(num_experts, top_k, running) if expert_layers else 0
+        weight_reads += dense_params + len(expert_layers) * hit * per_expert
+    memory = (kv_reads * kv_bytes + weight_reads * 2) / (COPY_BANDWIDTH * gpus)
     tokens = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
-    compute = 2 * weight_params * tokens / (MATMUL_FLOPS * gpus)
+    active_params = dense_params + len(expert_layers) * top_k * per_expert
+    compute = 2 * active_params * tokens / (MATMUL_FLOPS * gpus)
     return memory, compute
 
 
