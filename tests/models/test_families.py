@@ -34,13 +34,17 @@ def test_llama3_rope_scaling_is_applied(tmp_path):
     assert not (scaled == plain).all()
 
 
-def test_missing_tensor_is_named(tmp_path):
-    path = save_tiny_model("qwen3", tmp_path / "m")
+@pytest.mark.parametrize("family, tensor", [
+    ("qwen3", "model.layers.1.mlp.down_proj.weight"),
+    ("qwen3_moe", "model.layers.2.mlp.experts.5.up_proj.weight"),  # one expert's slice of a stacked parameter
+])
+def test_missing_tensor_is_named(tmp_path, family, tensor):
+    path = save_tiny_model(family, tmp_path / "m")
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
-    del tensors["model.layers.1.mlp.down_proj.weight"]
+    del tensors[tensor]
     save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight"):
+    with pytest.raises(ValueError, match=tensor.replace(".", r"\.")):
         LLM(path, num_kvcache_blocks=8)
 
 
@@ -69,14 +73,15 @@ def test_unknown_architecture_lists_supported(tmp_path):
         assert name in str(err.value)
 
 
-def test_dummy_weights_from_config_only(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_dummy_weights_from_config_only(tmp_path, family):
     import json
 
     from tests.helpers import tiny_config
     folder = tmp_path / "shape"
     folder.mkdir()
     with open(folder / "config.json", "w") as f:
-        json.dump(tiny_config("qwen3").to_dict(), f)
+        json.dump(tiny_config(family).to_dict(), f)
     llm = LLM(str(folder), load_format="dummy", num_kvcache_blocks=16)
     out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
     assert len(out.token_ids) == 8 and out.text == ""
