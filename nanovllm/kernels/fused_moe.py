@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fused_moe_reference import check_moe_args
+from nanovllm.kernels.fused_moe_reference import MoeAlignment, check_moe_args, max_padded_rows
 
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_moe_table.json")
 
@@ -80,41 +80,113 @@ def pick_block_config(num_tokens: int, num_experts: int, intermediate: int, hidd
     return MoeBlockConfig(*entries[str(size)])
 
 
-class MoeAlignment(NamedTuple):
-    sorted_ids: torch.Tensor     # [max_padded] int32: assignment ids grouped by expert, sentinel = num_assignments
-    block_experts: torch.Tensor  # [max_padded // block_m] int32: the expert of each row block
-    num_padded: torch.Tensor     # [1] int32: rows in use (a multiple of block_m); later blocks do nothing
+@triton.jit
+def _moe_count_kernel(
+    topk_ids_ptr,        # [num_assignments] expert of each assignment
+    chunk_counts_ptr,    # [num_chunks, num_experts] int32 out: assignments of each expert in each chunk
+    rank_ptr,            # [num_assignments] int32 out: rank among the chunk's earlier assignments of its expert
+    num_assignments, num_experts,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < num_assignments
+    experts = tl.load(topk_ids_ptr + offs, mask=mask, other=-1).to(tl.int32)
+    # stable rank within the chunk: earlier assignments (j < i) of the same expert
+    same = (experts[:, None] == experts[None, :]) & (tl.arange(0, CHUNK)[None, :] < tl.arange(0, CHUNK)[:, None])
+    tl.store(rank_ptr + offs, tl.sum(same.to(tl.int32), axis=1), mask=mask)
+    expert_range = tl.arange(0, BLOCK_E)
+    counts = tl.sum((experts[:, None] == expert_range[None, :]).to(tl.int32), axis=0)  # padding rows are -1
+    tl.store(chunk_counts_ptr + chunk * num_experts + expert_range, counts, mask=expert_range < num_experts)
 
 
-def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
-    """Worst case of the padded total: every expert that is hit pads up to block_m - 1 rows."""
-    padded = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
-    return triton.cdiv(padded, block_m) * block_m
+@triton.jit
+def _moe_offsets_kernel(
+    chunk_counts_ptr,    # [num_chunks, num_experts] in: counts; out: each chunk's first rank within its expert
+    expert_starts_ptr,   # [num_experts] int32 out: the expert's first padded row
+    sorted_ids_ptr,      # [max_rows] int32 out: all set to the sentinel here, the real rows by the scatter kernel
+    block_experts_ptr,   # [max_rows // BLOCK_M] int32 out
+    num_padded_ptr,      # [1] int32 out
+    num_chunks, num_experts, num_assignments, max_rows,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    CHUNKS_PER_STEP: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr, FILL: tl.constexpr,
+):
+    expert_range = tl.arange(0, BLOCK_E)
+    expert_mask = expert_range < num_experts
+    chunk_range = tl.arange(0, CHUNKS_PER_STEP)
+    running = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for first in range(0, num_chunks, CHUNKS_PER_STEP):  # exclusive prefix over the chunks, a tile at a time
+        offs = (first + chunk_range)[:, None] * num_experts + expert_range[None, :]
+        mask = ((first + chunk_range) < num_chunks)[:, None] & expert_mask[None, :]
+        counts = tl.load(chunk_counts_ptr + offs, mask=mask, other=0)
+        tl.store(chunk_counts_ptr + offs, tl.cumsum(counts, axis=0) - counts + running[None, :], mask=mask)
+        running += tl.sum(counts, axis=0)
+    padded = (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(expert_starts_ptr + expert_range, ends - padded, mask=expert_mask)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    fill = tl.arange(0, FILL)
+    for start in range(0, max_rows, FILL):
+        tl.store(sorted_ids_ptr + start + fill, tl.full((FILL,), 0, tl.int32) + num_assignments,
+                 mask=start + fill < max_rows)
+    block_range = tl.arange(0, BLOCKS_PER_STEP)
+    num_blocks = max_rows // BLOCK_M
+    for first in range(0, num_blocks, BLOCKS_PER_STEP):
+        # a block's expert: how many experts' padded runs end at or before its first row
+        blocks = first + block_range
+        ended = tl.sum(((ends[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_mask[None, :]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + blocks, tl.minimum(ended, num_experts - 1), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _moe_scatter_kernel(
+    topk_ids_ptr, chunk_counts_ptr, rank_ptr, expert_starts_ptr,
+    sorted_ids_ptr,      # [max_rows] int32: row of each assignment = its expert's start + its rank in the expert
+    num_assignments, num_experts,
+    CHUNK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < num_assignments
+    experts = tl.load(topk_ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    rank = tl.load(rank_ptr + offs, mask=mask, other=0)
+    before = tl.load(chunk_counts_ptr + chunk * num_experts + experts, mask=mask, other=0)
+    start = tl.load(expert_starts_ptr + experts, mask=mask, other=0)
+    tl.store(sorted_ids_ptr + start + before + rank, offs.to(tl.int32), mask=mask)
+
+
+ALIGN_CHUNK = 128  # assignments per program of the counting and scatter kernels
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
-    """Group the assignments by expert, each expert's run padded to block_m, with device ops only.
+    """Group the assignments by expert (stable), each expert's run padded to block_m: three small kernels.
 
-    topk_ids: [num_tokens, top_k] integer expert ids. No host sync; shapes depend only on num_tokens.
+    topk_ids: [num_tokens, top_k] integer expert ids. No host sync; shapes depend only on num_tokens, so it
+    can be captured in a CUDA graph. Equal to ``moe_align_reference``.
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [num_tokens, top_k], got {tuple(topk_ids.shape)}"
+    assert not topk_ids.is_floating_point(), f"topk_ids must be integers, got {topk_ids.dtype}"
     device = topk_ids.device
-    experts = topk_ids.flatten().long()  # [assignments]
+    experts = topk_ids.reshape(-1).contiguous()
     num_assignments = experts.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, experts, torch.ones_like(experts))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_ends = torch.cumsum(padded_counts, 0)
-    order = torch.sort(experts, stable=True).indices  # assignment ids, expert by expert
-    sorted_experts = experts[order]
-    rank_in_expert = torch.arange(num_assignments, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
-    rows = (padded_ends - padded_counts)[sorted_experts] + rank_in_expert
+    num_chunks = triton.cdiv(num_assignments, ALIGN_CHUNK)
     max_rows = max_padded_rows(num_assignments, num_experts, block_m)
-    sorted_ids = torch.full((max_rows,), num_assignments, dtype=torch.int32, device=device)
-    sorted_ids[rows] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_rows, block_m, device=device)
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return MoeAlignment(sorted_ids, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32))
+    block_e = triton.next_power_of_2(num_experts)
+    chunk_counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(num_assignments, dtype=torch.int32, device=device)
+    expert_starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _moe_count_kernel[(num_chunks,)](experts, chunk_counts, rank, num_assignments, num_experts,
+                                     CHUNK=ALIGN_CHUNK, BLOCK_E=block_e)
+    _moe_offsets_kernel[(1,)](chunk_counts, expert_starts, sorted_ids, block_experts, num_padded,
+                              num_chunks, num_experts, num_assignments, max_rows,
+                              BLOCK_M=block_m, BLOCK_E=block_e, CHUNKS_PER_STEP=max(16, 8192 // block_e),
+                              BLOCKS_PER_STEP=max(16, 8192 // block_e), FILL=1024)
+    _moe_scatter_kernel[(num_chunks,)](experts, chunk_counts, rank, expert_starts, sorted_ids,
+                                       num_assignments, num_experts, CHUNK=ALIGN_CHUNK)
+    return MoeAlignment(sorted_ids, block_experts, num_padded)
 
 
 @triton.jit

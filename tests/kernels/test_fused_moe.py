@@ -16,7 +16,7 @@ from nanovllm.kernels.fused_moe import (  # noqa: E402
     moe_align,
     pick_block_config,
 )
-from nanovllm.kernels.fused_moe_reference import fused_moe_reference  # noqa: E402
+from nanovllm.kernels.fused_moe_reference import fused_moe_reference, moe_align_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -63,10 +63,14 @@ def test_reference_equals_a_dense_loop():
     torch.testing.assert_close(fused_moe_reference(x, w13, w2, weights, ids), expected)
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m", [(1, 8, 2, 16), (33, 16, 4, 16), (64, 4, 2, 32)])
-def test_alignment_groups_each_expert_in_whole_blocks(num_tokens, num_experts, top_k, block_m):
-    ids = torch.randint(0, num_experts, (num_tokens, num_experts)).argsort(-1)[:, :top_k].to(DEVICE)
-    sorted_ids, block_experts, num_padded = moe_align(ids, num_experts, block_m)
+ALIGN_CASES = [(1, 8, 2, 16), (33, 16, 4, 16), (64, 4, 2, 32), (50, 6, 3, 16), (300, 128, 8, 64)]
+
+
+@pytest.mark.parametrize("align", [moe_align, moe_align_reference])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m", ALIGN_CASES)
+def test_alignment_groups_each_expert_in_whole_blocks(align, num_tokens, num_experts, top_k, block_m):
+    ids = torch.rand(num_tokens, num_experts).argsort(-1)[:, :top_k].to(DEVICE)
+    sorted_ids, block_experts, num_padded = align(ids, num_experts, block_m)
     assignments = num_tokens * top_k
     assert sorted_ids.numel() == max_padded_rows(assignments, num_experts, block_m)  # depends on shapes only
     used = int(num_padded)
@@ -80,6 +84,14 @@ def test_alignment_groups_each_expert_in_whole_blocks(num_tokens, num_experts, t
         members = block[block < assignments]
         assert len(members) > 0 and (flat[members] == expert).all(), "a block holds one expert's assignments"
     assert experts.tolist() == sorted(experts.tolist())
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m", ALIGN_CASES + [(1000, 128, 8, 16)])
+def test_alignment_kernels_equal_the_torch_ops(num_tokens, num_experts, top_k, block_m):
+    """Stable within each expert, so the two agree row for row (1000 x 8: several counting chunks)."""
+    ids = torch.rand(num_tokens, num_experts).argsort(-1)[:, :top_k].to(DEVICE)
+    for ours, reference in zip(moe_align(ids, num_experts, block_m), moe_align_reference(ids, num_experts, block_m)):
+        assert torch.equal(ours, reference)
 
 
 def test_block_table_picks_the_next_tuned_size(tmp_path):
