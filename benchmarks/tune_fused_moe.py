@@ -16,6 +16,8 @@ import argparse
 import itertools
 import json
 import os
+import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -28,8 +30,9 @@ BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16
 
 
 def candidates(num_tokens: int, top_k: int, num_experts: int) -> list[tuple[int, int, int, int, int]]:
-    """(block_m, block_n, block_k, num_warps, num_stages), the likeliest first. Rows per expert decide block_m:
-    a few rows (decode) want the smallest block (the call is a weight read), many want big tiles (FLOPs)."""
+    """(block_m, block_n, block_k, num_warps, num_stages) in a fixed shuffled order, so that a budget cut short
+    has still seen many tile shapes. Rows per expert decide the space: a few rows (decode) want the smallest
+    row block (the call is a weight read), many want big tiles (FLOPs)."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 4:
         space = itertools.product([16], [64, 128, 32], [128, 256, 64], [4, 8], [3, 4, 2])
@@ -37,7 +40,18 @@ def candidates(num_tokens: int, top_k: int, num_experts: int) -> list[tuple[int,
         space = itertools.product([16, 32, 64], [64, 128], [128, 64, 256], [4, 8], [3, 4])
     else:
         space = itertools.product([64, 128, 32], [128, 64, 256], [64, 128], [4, 8], [3, 4])
-    return list(space)
+    space = list(space)
+    random.Random(0).shuffle(space)
+    return space
+
+
+def format_table(table: dict) -> str:
+    """JSON with one line per batch size, the sizes in numeric order."""
+    ordered = {device: {key: dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))) for key, sizes in sorted(shapes.items())}
+               for device, shapes in sorted(table.items())}
+    text = json.dumps(ordered, indent=1)
+    return re.sub(r"\[\s+([^\[\]]*?)\s+\]", lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]",
+                  text) + "\n"
 
 
 def main() -> None:
@@ -49,14 +63,22 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3, help="weight copies per timed graph")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", required=True, help="the table to write (merged with what it already holds)")
+    parser.add_argument("--smoke", action="store_true", help="no GPU: a tiny shape under the Triton interpreter, "
+                        "two batch sizes, to check the script runs")
     args = parser.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     import torch
 
     from nanovllm.kernels.fused_moe import TABLE_PATH, MoeBlockConfig, default_block_config, table_key
 
-    shape = moe_shape(args.model, args.tensor_parallel_size)
-    dtype, device = torch.bfloat16, torch.device("cuda")
-    device_name = torch.cuda.get_device_name(device)
+    if args.smoke:
+        shape, dtype, device, device_name = dict(num_experts=8, top_k=2, hidden=64, intermediate=32), torch.float32, \
+            torch.device("cpu"), "cpu"
+        args.batch_sizes, args.layers, args.reps, args.max_seconds = [1, 64], 1, 1, 4.0
+    else:
+        shape, dtype, device = moe_shape(args.model, args.tensor_parallel_size), torch.bfloat16, torch.device("cuda")
+        device_name = torch.cuda.get_device_name(device)
     source = args.out if os.path.exists(args.out) else TABLE_PATH
     table = json.load(open(source)) if os.path.exists(source) else {}
     key = table_key(shape["num_experts"], shape["intermediate"], shape["hidden"], dtype)
@@ -87,10 +109,11 @@ def main() -> None:
         print(f"{size:>6} tokens: {list(best)} {best_seconds * 1e6:9.1f} us (default {list(default)} "
               f"{baseline * 1e6:.1f} us; {tried} tried)", flush=True)
         del problem
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
+        f.write(format_table(table))
     with open(os.path.splitext(args.out)[0] + "_report.json", "w") as f:
         json.dump(dict(device=device_name, key=key, results=report), f, indent=2)
     print(f"wrote {args.out}")
