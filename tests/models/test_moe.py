@@ -60,11 +60,13 @@ def test_moe_with_prefix_cache_chunks_and_preemption(tiny_qwen3_moe):
 
 
 def test_moe_tp2_equals_hf(tiny_qwen3_moe):
-    """Each rank holds every expert's half of the intermediate dimension; one all-reduce after the experts."""
+    """Each rank holds every expert's half of the intermediate dimension; one all-reduce after the experts.
+    With steps planned ahead (asynchronous scheduling, forced on: the CUDA default)."""
     expected, _ = hf_greedy(tiny_qwen3_moe, prompts(), 8)
     llm = LLM(tiny_qwen3_moe, tensor_parallel_size=2, kvcache_block_size=BLOCK, num_kvcache_blocks=64,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, async_scheduling=True)
     try:
+        assert llm.async_scheduling
         assert run(llm, prompts()) == expected
     finally:
         llm.close()
