@@ -2,7 +2,7 @@
 
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,104 @@ def _check_logprobs(name: str, value) -> int | None:
     return value
 
 
+# OpenAI's range of a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the whole output, vLLM's names: exactly one of the fields is set.
+
+    json: a JSON schema (dict or its JSON text); json_object: any JSON object; regex: a regular expression;
+    choice: one of these strings exactly; grammar: an EBNF grammar (GBNF, with a ``root`` rule).
+    Plain data (picklable); the grammar itself is built by the engine (nanovllm/structured_outputs).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}.")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
+            if not isinstance(self.json, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {self.json!r}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}.")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}.")
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): the same constraint gives the same key (the compiled grammars' cache)."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "choice"):
+            return self.kind, _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return self.kind, "" if self.kind == "json_object" else value
+
+
+def _structured_outputs(value) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown field(s) {unknown}; known: json, regex, choice, "
+                             "grammar, json_object.")
+        return StructuredOutputsParams(**value)
+    raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {value!r}.")
+
+
+def _token_id(name: str, value) -> int:
+    """A token id given as an int or (OpenAI's logit_bias keys) a decimal string."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must hold non-negative token ids, got {value!r}.")
+    return value
+
+
+def _logit_bias(value) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {value!r}.")
+    out = {}
+    for token, bias in value.items():
+        token_id = _token_id("logit_bias", token)
+        _check_number(f"logit_bias[{token!r}]", bias)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{token!r}] must be in [-100, 100], got {bias}.")
+        out[token_id] = float(bias)
+    return out or None
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings of one request, with vLLM's names, defaults, ranges and meaning.
@@ -70,6 +169,12 @@ class SamplingParams:
       prompt_logprobs: None, or the same for each prompt token (the first prompt token has None).
       detokenize, skip_special_tokens, spaces_between_special_tokens: how token ids become text.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
+      structured_outputs: a StructuredOutputsParams (or its dict): only tokens the constraint allows can be
+        sampled, and the output ends once it is complete.
+      logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI's; -100 bans, +100 forces).
+      allowed_token_ids: only these tokens can be sampled (vLLM's).
+      bad_words: words never generated (vLLM's): a word's last token is banned whenever the output ends with
+        the word's other tokens (with and without a leading space).
     """
 
     n: int = 1
@@ -92,6 +197,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_number("n", self.n, integer=True)
@@ -165,6 +274,22 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}.")
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
 
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {self.allowed_token_ids!r}.")
+            self.allowed_token_ids = list(dict.fromkeys(_token_id("allowed_token_ids", t)
+                                                        for t in self.allowed_token_ids))
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+            self.bad_words = list(self.bad_words) or None
+
         if self.temperature < SAMPLING_EPS:
             # Greedy: the filters cannot change an argmax, so turn them off (as vLLM does).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -176,3 +301,15 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def reads_output(self) -> bool:
+        """Sampling the next token reads the tokens generated so far (beyond min_tokens): penalties, bad words,
+        a structured-outputs grammar. Such a request's step cannot be planned before the previous token is known."""
+        return self.has_penalties or bool(self.bad_words) or self.structured_outputs is not None
+
+    @property
+    def masks_logits(self) -> bool:
+        """Some tokens' logits change before sampling (besides min_tokens and penalties)."""
+        return (self.structured_outputs is not None or self.logit_bias is not None
+                or self.allowed_token_ids is not None or bool(self.bad_words))

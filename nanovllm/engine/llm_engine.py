@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -15,9 +16,13 @@ from nanovllm.engine.scheduler import Scheduler, SchedulerConfig
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.loader.source import resolve_model
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.structured_outputs import GrammarBackend
 
 logger = logging.getLogger(__name__)
+
+# A step with nothing to run but requests whose grammar compiles waits this long for one (seconds).
+GRAMMAR_WAIT_SECONDS = 0.05
 
 Prompt = str | list[int] | dict
 
@@ -100,6 +105,8 @@ class LLMEngine:
         self.last_step = StepStats()
         self._in_flight = None  # the step launched ahead (asynchronous scheduling), not yet read
         self.async_scheduling = config.async_scheduling_enabled and hasattr(self.runner, "launch")
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self._compiling: list[Sequence] = []  # requests held back until their grammar is compiled
 
     # -- requests -------------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -150,6 +157,13 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size}).")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids",
+                                                                   params.allowed_token_ids or ())):
+            for t in ids:
+                if t >= self.vocab_size:
+                    raise ValueError(f"{name} holds token id {t}, outside the vocabulary [0, {self.vocab_size}).")
+        if (params.structured_outputs is not None or params.bad_words) and self.tokenizer is None:
+            raise ValueError("structured_outputs and bad_words need a tokenizer, and this model has none.")
         if (params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1
                 and not getattr(self.runner, "supports_prompt_logprobs", False)):
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet.")
@@ -169,12 +183,16 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use.")
         stop_ids = tuple(sorted(t for t in set(self.scheduler.eos_token_ids) | set(params.stop_token_ids)
                                 if 0 <= t < self.vocab_size))
+        bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else ()
         samples = []
         for index in range(params.n):
             seq = Sequence(token_ids, params)
             seq.request_id = request_id
             seq.index = index
             seq.min_tokens_stop_ids = stop_ids if params.min_tokens > 0 else ()
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammars.request_grammar(params.structured_outputs)
+            seq.bad_words_token_ids = bad_words
             detokenizer = None
             if self.tokenizer is not None and params.detokenize:
                 detokenizer = IncrementalDetokenizer(
@@ -189,9 +207,60 @@ class LLMEngine:
             state.num_prompt_logprobs_missing = len(token_ids) - 1
             samples[0].seq.needs_prompt_logprobs = len(token_ids) > 1
         self.requests[request_id] = state
-        self.scheduler.add(samples[0].seq)
+        if samples[0].seq.grammar is not None and not samples[0].seq.grammar.ready:
+            self._compiling.append(samples[0].seq)  # scheduled once compiled (_admit_compiled)
+        else:
+            self.scheduler.add(samples[0].seq)
         return request_id
 
+    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, alone and after a space (as it reads mid-sentence), as vLLM does."""
+        out = []
+        for word in words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return tuple(out)
+
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile the constraint now (cached for the request that follows); ValueError naming the problem if it
+        cannot be used. Callable from any thread."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer, and this model has none.")
+        self.grammars.compile(params)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar is compiled now; one whose grammar failed fails (its error)."""
+        waiting = []
+        for seq in self._compiling:
+            if seq.is_finished:  # aborted while compiling
+                continue
+            if not seq.grammar.ready:
+                waiting.append(seq)
+                continue
+            error = seq.grammar.error()
+            state = self.requests.get(seq.request_id)
+            if error is not None:
+                if state is not None:
+                    self._fail_request(state, error)
+            else:
+                self.scheduler.add(seq)
+        self._compiling = waiting
+
+    def _advance_grammars(self, seqs: list[Sequence], token_ids: list[int | None]) -> None:
+        """Feed each constrained sequence's new token to its grammar; a complete output ends the sequence."""
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            if token_id is None or seq.grammar is None or seq.finish_reason == "abort":
+                continue
+            if not seq.grammar.accept(token_id):
+                state = self.requests.get(seq.request_id)
+                if state is not None:
+                    self._fail_request(state, ValueError(
+                        f"token {token_id} does not fit the structured_outputs grammar (no allowed token was left: "
+                        "min_tokens or other bans conflict with it)."), state.samples[seq.index])
+            elif seq.grammar.is_terminated and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and forget it; False if it is unknown or had already finished."""
         state = self.requests.pop(request_id, None)
@@ -215,7 +284,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
+        return not self.scheduler.is_finished() or bool(self._compiling)
 
     def is_request_finished(self, request_id: str) -> bool:
         return self.requests[request_id].finished
@@ -229,6 +298,8 @@ class LLMEngine:
         request is finished when ``is_request_finished`` says so (every sample finished).
         """
         start = time.perf_counter()
+        if self._compiling:
+            self._admit_compiled()
         current, self._in_flight = self._in_flight, None
         if current is not None and all(s.is_finished for s in current.seqs):
             current = None  # every request of the planned step ended meanwhile: nothing of it is wanted
@@ -236,6 +307,9 @@ class LLMEngine:
             seqs = self.scheduler.schedule()
             if not seqs:
                 self.last_step = StepStats()
+                if self._compiling:  # nothing to run until a grammar is ready: wait for one, briefly
+                    concurrent.futures.wait([s.grammar.compiled for s in self._compiling], GRAMMAR_WAIT_SECONDS,
+                                            return_when=concurrent.futures.FIRST_COMPLETED)
                 return []
             for seq in seqs:
                 if seq.is_prefill and seq.index == 0:
@@ -267,6 +341,7 @@ class LLMEngine:
             output.token_ids[i] = output.logprobs[i] = None  # drop its token
             output.prompt_logprobs.pop(i, None)
         self.scheduler.postprocess(seqs, output.token_ids)
+        self._advance_grammars(seqs, output.token_ids)
         self._record(seqs, output)
         if self._in_flight is not None:
             for seq in self._in_flight.seqs:
@@ -439,6 +514,9 @@ class LLMEngine:
         del self.requests[request_id]
 
     def close(self) -> None:
+        grammars = getattr(self, "grammars", None)
+        if grammars is not None:
+            grammars.close()
         runner = getattr(self, "runner", None)
         if runner is not None and hasattr(runner, "close"):
             runner.close()

@@ -124,6 +124,8 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
     banned: list[tuple[int, int]] = []
     penalised: list[int] = []
     with_logprobs: list[int] = []
+    biased: list[tuple[int, int, float]] = []
+    masked: list[int] = []
     any_top_p = any_min_p = False
     max_top_k = num_sampled = 0
     for i, seq in enumerate(seqs):
@@ -140,6 +142,13 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
                 generators[i] = row_seed_source(seq) if seed_source is not None else request_generator(seq, device)
         if _bans_stop_tokens(seq):
             banned.extend((i, t) for t in seq.min_tokens_stop_ids)
+        if p.masks_logits:
+            if p.logit_bias:
+                biased.extend((i, t, b) for t, b in p.logit_bias.items())
+            if seq.bad_words_token_ids:
+                banned.extend((i, t) for t in bad_word_tokens(seq))
+            if seq.grammar is not None or p.allowed_token_ids is not None:
+                masked.append(i)
         if p.has_penalties:
             penalised.append(i)
         if p.logprobs is not None:
@@ -166,6 +175,13 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
     if banned:
         pairs = _to_device(np.array(banned, dtype=np.int64).T.copy(), device)
         tensors.banned_rows, tensors.banned_tokens = pairs[0], pairs[1]
+    if biased:
+        pairs = _to_device(np.array([(i, t) for i, t, _ in biased], dtype=np.int64).T.copy(), device)
+        tensors.bias_rows, tensors.bias_tokens = pairs[0], pairs[1]
+        tensors.bias_values = _to_device(np.array([b for _, _, b in biased], dtype=np.float32), device)
+    if masked:
+        tensors.mask_rows = _to_device(np.array(masked, dtype=np.int64), device)
+        tensors.token_bitmask = _to_device(token_bitmask([seqs[i] for i in masked], vocab_size).numpy(), device)
 
     if penalised:
         params = [seqs[i].sampling_params for i in penalised]
@@ -185,6 +201,35 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
         tensors.logprob_rows = _to_device(np.array(with_logprobs, dtype=np.int64), device)
         tensors.num_logprobs = max(seqs[i].sampling_params.logprobs for i in with_logprobs)
     return tensors
+
+
+def token_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """[len(seqs), ceil(V / 32)] int32 CPU bitmask of the tokens each sequence may sample next: its grammar's
+    (nanovllm/structured_outputs), and-ed with its allowed_token_ids."""
+    width = (vocab_size + 31) // 32
+    bitmask = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    for row, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            seq.grammar.fill_bitmask(bitmask, row)
+        allowed = seq.sampling_params.allowed_token_ids
+        if allowed is not None:
+            bits = np.zeros(width * 32, dtype=bool)
+            bits[[t for t in allowed if t < vocab_size]] = True
+            words = np.packbits(bits.reshape(width, 32), axis=1, bitorder="little").view("<i4").reshape(width)
+            bitmask[row] &= torch.from_numpy(words.copy())
+    return bitmask
+
+
+def bad_word_tokens(seq: Sequence) -> list[int]:
+    """The tokens that would complete one of seq's bad words now: a word's last token, when the output ends with
+    the word's other tokens (a one-token word is always banned)."""
+    output = seq.token_ids[seq.num_prompt_tokens:]
+    banned = []
+    for word in seq.bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or (len(output) >= len(prefix) and tuple(output[len(output) - len(prefix):]) == prefix):
+            banned.append(word[-1])
+    return banned
 
 
 def _draw_row_seeds(num_rows: int, seed_source: np.random.Generator,
@@ -208,7 +253,7 @@ def temperature_only_rows(seqs: list[Sequence],
     seeded: dict[int, np.random.Generator] = {}
     for i, seq in enumerate(seqs):
         p = seq.sampling_params
-        if p.logprobs is not None or p.has_penalties or _bans_stop_tokens(seq):
+        if p.logprobs is not None or p.has_penalties or p.masks_logits or _bans_stop_tokens(seq):
             return None
         if _is_greedy(p):
             continue

@@ -136,7 +136,8 @@ class Scheduler:
         Each running sequence then has one token in flight, whose id only the device knows yet; the next step
         decodes it. That plan holds only when the next step is exactly "every running request decodes": nothing
         waits, every running request samples a token in the step in flight, no request's sampling reads its own
-        history (penalties, a min_tokens mask), and free blocks cover every new block needed (no preemption).
+        history (penalties, a min_tokens mask, bad words, a structured-outputs grammar: a grammar's mask needs
+        the token in flight), and free blocks cover every new block needed (no preemption).
         A request that will reach its length limit with the token in flight is left out; one that stops on EOS
         or a stop string is only known later: its token of the planned step is dropped (``postprocess``).
         """
@@ -147,7 +148,7 @@ class Scheduler:
         seqs, new_blocks = [], 0
         for seq in self.running:
             params = seq.sampling_params
-            if id(seq) not in sampled or params.min_tokens > seq.num_completion_tokens or params.has_penalties:
+            if id(seq) not in sampled or params.min_tokens > seq.num_completion_tokens or params.reads_output:
                 return []
             after = seq.num_tokens + 1  # once the token in flight is appended
             if ((seq.max_tokens is not None and after - seq.num_prompt_tokens >= seq.max_tokens)
