@@ -40,6 +40,7 @@ from nanovllm.engine.async_engine import (
     RequestStream,
 )
 from nanovllm.outputs import RequestOutput
+from nanovllm.server.chat_output import ChatChoiceOutput
 from nanovllm.server.metrics import ServerMetrics
 from nanovllm.server.protocol import (
     APIError,
@@ -55,10 +56,19 @@ from nanovllm.server.protocol import (
     param_named_in,
     prompt_logprobs,
     random_id,
+    response_format_constraint,
     sampling_params,
     usage,
 )
+from nanovllm.server.reasoning import ReasoningSplitter, check_reasoning_parser
 from nanovllm.server.serve import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from nanovllm.server.tools import (
+    ToolError,
+    ToolPlan,
+    check_tool_call_parser,
+    messages_for_template,
+    plan_tools,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +78,21 @@ RETRY_AFTER_SECONDS = 1
 
 def build_app(llm: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_request_body_bytes: int | None = None, max_n: int | None = DEFAULT_MAX_N,
-              max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
+              max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The app serving ``llm``; requests naming a model must use one of ``served_model_names``.
 
     api_key: when set, every path but /health and /metrics needs ``Authorization: Bearer <api_key>``.
     max_request_body_bytes: larger bodies are refused with 413 (None: no limit).
     max_n, max_prompts_per_request: larger ``n`` / more prompts in one completions request get 400 (None: no limit).
+    tool_call_parser, enable_auto_tool_choice: how tool_choice "auto" reads the model's calls (server/tools.py).
+    reasoning_parser: splits the reasoning off into ``reasoning_content`` (server/reasoning.py).
     """
+    check_tool_call_parser(tool_call_parser, enable_auto_tool_choice)
+    check_reasoning_parser(reasoning_parser)
     server = OpenAIServer(llm, served_model_names or [llm.engine.model_path], max_n=max_n,
-                          max_prompts_per_request=max_prompts_per_request)
+                          max_prompts_per_request=max_prompts_per_request, tool_call_parser=tool_call_parser,
+                          enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -230,8 +246,13 @@ class BodySizeLimitMiddleware:
 # -- the endpoints ----------------------------------------------------------------------------------------------
 class OpenAIServer:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str], *, max_n: int | None = DEFAULT_MAX_N,
-                 max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST):
+                 max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: str | None = None):
         self.llm = llm
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser = reasoning_parser
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
         self.model_names = list(served_model_names)
@@ -287,7 +308,9 @@ class OpenAIServer:
         self._check_model(body.model)
         self.llm.check_admission()
         prompts = await self._completion_prompts(body.prompt)
-        params = [self._params(body, ids) for _, ids in prompts]
+        constraint = response_format_constraint(body.response_format)
+        params = [self._params(body, ids, constraint) for _, ids in prompts]
+        await self._check_structured_outputs(params[0])
         request_id = random_id("cmpl")
         job = _Job(self.llm, raw, request_id,
                    [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts], params).start()
@@ -362,20 +385,27 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
         self.llm.check_admission()
-        ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        params = self._params(body, ids)
+        plan = self._tool_plan(body)
+        if plan.structured_outputs is not None and response_format_constraint(body.response_format) is not None:
+            raise bad_request(f"response_format cannot be combined with tool_choice {body.tool_choice!r}.",
+                              param="response_format")
+        ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                      tools=plan.tools)
+        params = self._params(body, ids, plan.structured_outputs or response_format_constraint(body.response_format))
+        await self._check_structured_outputs(params, "tools" if plan.structured_outputs is not None else None)
+        outputs = [self._chat_choice_output(plan, ids) for _ in range(_n(params))]
         request_id = random_id("chatcmpl")
         job = _Job(self.llm, raw, request_id, [{"prompt_token_ids": ids}], [params]).start()
         top = body.top_logprobs or 0
         if body.stream:
-            return _sse(self._stream_chat(body, job, top))
+            return _sse(self._stream_chat(body, job, top, outputs))
         finals = await job.finals()
         if finals is None:
             return Response(status_code=499)
         (output,) = finals
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices = [{"index": c.index, "message": outputs[c.index].message(c.text),
                     "logprobs": chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, top),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "finish_reason": outputs[c.index].finish_reason(c.finish_reason), "stop_reason": c.stop_reason,
                     **({"token_ids": list(c.token_ids)} if body.return_token_ids else {})}
                    for c in output.outputs]
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
@@ -385,7 +415,8 @@ class OpenAIServer:
                              **_prompt_logprobs_field(self.tokenizer, output),
                              **({"prompt_token_ids": list(output.prompt_token_ids)} if body.return_token_ids else {})})
 
-    async def _stream_chat(self, body: ChatCompletionRequest, job: _Job, top: int) -> AsyncIterator[str]:
+    async def _stream_chat(self, body: ChatCompletionRequest, job: _Job, top: int,
+                           outputs: list[ChatChoiceOutput]) -> AsyncIterator[str]:
         created = now()
         progress = _Progress()
 
@@ -401,14 +432,15 @@ class OpenAIServer:
                     **({"prompt_token_ids": job.prompts[0]["prompt_token_ids"]} if body.return_token_ids else {}))
         async for _, output in job.outputs():
             for c in output.outputs:
-                delta, new_ids, new_logprobs, finish = progress.advance(c.index, c)
+                _, new_ids, new_logprobs, finish = progress.advance(c.index, c)
                 # a chunk per batch of new tokens, even when their text is empty (held back for a stop string,
                 # or a model without tokenizer), so a client sees every token arrive
-                if not delta and not new_ids and not finish:
+                if not new_ids and not finish:
                     continue
-                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                choice_output = outputs[c.index]
+                yield chunk([{"index": c.index, "delta": choice_output.delta(c.text, final=finish),
                               "logprobs": chat_logprobs(self.tokenizer, new_ids, new_logprobs, top),
-                              "finish_reason": c.finish_reason if finish else None,
+                              "finish_reason": choice_output.finish_reason(c.finish_reason) if finish else None,
                               "stop_reason": c.stop_reason if finish else None,
                               **({"token_ids": new_ids} if body.return_token_ids else {})}])
         if job.error is not None:
@@ -461,13 +493,15 @@ class OpenAIServer:
         return await asyncio.to_thread(tokenize_all)
 
     async def _chat_prompt(self, messages, add_generation_prompt: bool,
-                           chat_template_kwargs: dict | None) -> list[int]:
-        conversation = message_dicts(messages)
+                           chat_template_kwargs: dict | None, tools: list[dict] | None = None) -> list[int]:
+        conversation = messages_for_template(message_dicts(messages))
         if chat_template_kwargs and "chat_template" in chat_template_kwargs:
             # a template is code (Jinja, sandboxed or not): the server runs the model's own, never a client's
             raise bad_request("chat_template cannot be given in a request: the server uses the model's own.",
                               param="chat_template_kwargs")
         self._check_text_length(sum(_text_length(m) for m in conversation), "messages")
+        if tools:
+            chat_template_kwargs = dict(chat_template_kwargs or {}, tools=tools)
 
         def render() -> list[int]:
             try:
@@ -481,8 +515,33 @@ class OpenAIServer:
             raise bad_request("the chat template gave an empty prompt.", param="messages")
         return ids
 
-    def _params(self, body, token_ids: list[int]):
-        params = sampling_params(body, len(token_ids), self.llm.max_model_len)
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        try:
+            return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser,
+                              self.enable_auto_tool_choice)
+        except ToolError as e:
+            raise bad_request(str(e), param=e.param) from None
+
+    def _chat_choice_output(self, plan: ToolPlan, prompt_ids: list[int]) -> ChatChoiceOutput:
+        reasoning = None
+        if self.reasoning_parser is not None:
+            tail = self.tokenizer.decode(prompt_ids[-32:]) if self.tokenizer is not None else ""
+            reasoning = ReasoningSplitter.for_prompt(self.reasoning_parser, tail)
+        return ChatChoiceOutput(plan, reasoning)
+
+    async def _check_structured_outputs(self, params, param: str | None = None) -> None:
+        """A constraint that cannot compile is the client's 400, before any response starts (compiled in a
+        worker thread; the engine's cache keeps it for the request)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.check_structured_outputs, constraint)
+        except ValueError as e:
+            raise bad_request(str(e), param=param or "structured_outputs") from None
+
+    def _params(self, body, token_ids: list[int], constraint=None):
+        params = sampling_params(body, len(token_ids), self.llm.max_model_len, constraint)
         if self.max_n is not None and params.n > self.max_n:
             raise bad_request(f"n must be at most {self.max_n} on this server, got {params.n}.", param="n")
         try:

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -127,6 +127,9 @@ class SamplingRequest(RequestBody):
     # vLLM's extension: also answer the token ids, the prompt's and the generated ones (streamed: each chunk's
     # new ids, so a client can count tokens even where their text is empty, as with a model without tokenizer)
     return_token_ids: bool = False
+    # vLLM's extra body field: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -144,6 +147,10 @@ class CompletionRequest(SamplingRequest):
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # an assistant's calls ({"id", "type": "function", "function": {"name", "arguments"}}), a tool's answer
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -155,9 +162,8 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    # accepted and ignored: they do not change what is generated
     parallel_tool_calls: bool | None = None
+    # accepted and ignored: they do not change what is generated
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -181,7 +187,9 @@ class DetokenizeRequest(RequestBody):
 # Fields of the bodies that are not sampling settings.
 _NOT_SAMPLING = {"model", "prompt", "messages", "stream", "stream_options", "user", "echo", "add_generation_prompt",
                  "chat_template_kwargs", "parallel_tool_calls", "metadata", "store", "service_tier",
-                 "max_completion_tokens", "top_logprobs", "logprobs", "return_token_ids"}
+                 "max_completion_tokens", "top_logprobs", "logprobs", "return_token_ids", "response_format"}
+# Read by the chat endpoint (server/tools.py); elsewhere they ask for what is not served.
+_CHAT_ONLY = {"tools", "tool_choice"}
 # Declared OpenAI fields that, at these values, ask for nothing: fine even where SamplingParams lacks them.
 _NEUTRAL = {"top_p": 1.0, "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "best_of": 1,
             "seed": None, "stop": None, "logit_bias": None, "suffix": None, "tools": None, "tool_choice": "none",
@@ -198,17 +206,20 @@ def _is_neutral(name: str, value) -> bool:
     return name in _NEUTRAL and value == _NEUTRAL[name]
 
 
-def sampling_params(body: SamplingRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+def sampling_params(body: SamplingRequest, num_prompt_tokens: int, max_model_len: int,
+                    constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams of a request: every body field (declared or extra) named like a SamplingParams field.
 
     max_tokens defaults to what is left of max_model_len. A body field that SamplingParams does not have is
     refused with a 400 unless its value asks for nothing (top_p=1, n=1, ...), so no setting is silently ignored.
+    constraint: the structured output that response_format or a forced tool call asks for.
     """
     supported = {f.name for f in dataclasses.fields(SamplingParams)}
     given = body.model_dump(exclude_unset=True)
     values: dict[str, Any] = {}
+    chat = isinstance(body, ChatCompletionRequest)
     for name, value in given.items():
-        if name in _NOT_SAMPLING:
+        if name in _NOT_SAMPLING or (chat and name in _CHAT_ONLY):
             continue
         if name in supported:
             if value is not None:
@@ -237,11 +248,36 @@ def sampling_params(body: SamplingRequest, num_prompt_tokens: int, max_model_len
                           f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                           param="max_tokens", code="context_length_exceeded")
     values["max_tokens"] = max_tokens
+    if constraint is not None:
+        if values.get("structured_outputs") is not None:
+            raise bad_request("structured_outputs cannot be combined with a response_format or a forced tool call.",
+                              param="structured_outputs")
+        values["structured_outputs"] = constraint
 
     try:
         return SamplingParams(**values)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param=param_named_in(str(e), values)) from None
+
+
+def response_format_constraint(response_format: dict | None) -> StructuredOutputsParams | None:
+    """The structured output of OpenAI's response_format: text (none), json_object, or json_schema."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request('response_format "json_schema" needs {"json_schema": {"name": ..., "schema": {...}}}, '
+                              f"got {spec!r}.", param="response_format")
+        return StructuredOutputsParams(json=schema)
+    raise bad_request(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}.',
+                      param="response_format")
 
 
 def param_named_in(message: str, names) -> str | None:
@@ -285,6 +321,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
                 texts.append(part["text"])
             content = "\n".join(texts)
         entry = {k: v for k, v in (message.model_extra or {}).items()}
+        entry.update({k: getattr(message, k) for k in ("tool_calls", "tool_call_id", "name")
+                      if getattr(message, k) is not None})
         entry.update(role=message.role, content=content)
         out.append(entry)
     return out

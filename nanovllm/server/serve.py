@@ -50,6 +50,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_MAX_PROMPTS_PER_REQUEST})")
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish (default: 30)")
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                        help="how tool_choice 'auto' reads the model's tool calls: hermes (Qwen2.5/Qwen3's "
+                             "<tool_call>) or llama3_json (Llama 3.x's JSON)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let requests use tool_choice 'auto' (needs --tool-call-parser)")
+    parser.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                        help="split the model's <think>...</think> into reasoning_content")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="log level (default: info)")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false",
@@ -76,12 +83,15 @@ def build_app_from_args(args: argparse.Namespace):
     for flag in ("max_n", "max_prompts_per_request"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}.")
+    from nanovllm.server.tools import check_tool_call_parser
+    check_tool_call_parser(args.tool_call_parser, args.enable_auto_tool_choice)  # before the model loads
     kwargs = engine_kwargs(args)  # the positional MODEL is among them, as "model"
     llm = AsyncLLM.from_engine_args(max_queued_requests=args.max_queued_requests, **kwargs)
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     return build_app(llm, served_model_names=names, api_key=args.api_key,
                      max_request_body_bytes=args.max_request_body_bytes or None, max_n=args.max_n,
-                     max_prompts_per_request=args.max_prompts_per_request)
+                     max_prompts_per_request=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
 
 
 def run_server(args: argparse.Namespace) -> int:
