@@ -310,7 +310,7 @@ class OpenAIServer:
         prompts = await self._completion_prompts(body.prompt)
         constraint = response_format_constraint(body.response_format)
         params = [self._params(body, ids, constraint) for _, ids in prompts]
-        await self._check_structured_outputs(params[0])
+        await self._check_structured_outputs(params[0], "response_format" if constraint else None)
         request_id = random_id("cmpl")
         job = _Job(self.llm, raw, request_id,
                    [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts], params).start()
@@ -391,8 +391,10 @@ class OpenAIServer:
                               param="response_format")
         ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                       tools=plan.tools)
-        params = self._params(body, ids, plan.structured_outputs or response_format_constraint(body.response_format))
-        await self._check_structured_outputs(params, "tools" if plan.structured_outputs is not None else None)
+        from_format = response_format_constraint(body.response_format)
+        params = self._params(body, ids, plan.structured_outputs or from_format)
+        await self._check_structured_outputs(params, "tools" if plan.structured_outputs is not None
+                                             else "response_format" if from_format is not None else None)
         outputs = [self._chat_choice_output(plan, ids) for _ in range(_n(params))]
         request_id = random_id("chatcmpl")
         job = _Job(self.llm, raw, request_id, [{"prompt_token_ids": ids}], [params]).start()

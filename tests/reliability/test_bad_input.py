@@ -233,9 +233,12 @@ MATRIX = [
     case("beyond limits", CH, {"messages": CHAT, "max_completion_tokens": 10**6}, 400, "max_tokens",
          (str(MAX_MODEL_LEN),)),
     case("beyond limits", C, {"prompt": "Hi", "best_of": 3}, 400, "best_of"),
-    case("beyond limits", C, {"prompt": "Hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
-    case("beyond limits", CH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-         400, "tools"),
+    case("beyond limits", C, {"prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias", ("[-100, 100]",)),
+    case("beyond limits", C, {"prompt": "Hi", "logit_bias": {"100000": 1}}, 400, "logit_bias", ("vocabulary",)),
+    case("beyond limits", CH, {"messages": CHAT, "tools": [{"type": "function", "function": {}}]},
+         400, "tools", ("name",)),
+    case("beyond limits", CH, {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": 3}}}}, 400, "response_format", ("properties",)),
     case("beyond limits", C, {"prompt": "Hi", "no_such_field": 1}, 400, "no_such_field"),
     # unknown model: names and paths alike; a request never chooses what the server loads
     case("unknown model", C, {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),

@@ -41,7 +41,11 @@ def test_malformed_json(http, path):
     ({"prompt": "Hi", "ignore_eos": "maybe"}, "ignore_eos"),
     ({"prompt": "Hi", "no_such_field": 1}, "no_such_field"),
     ({"prompt": "Hi", "suffix": "!"}, "suffix"),
-    ({"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"5": 1000}}, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "Hi", "allowed_token_ids": [100000]}, "allowed_token_ids"),
+    ({"prompt": "Hi", "structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ({"prompt": "Hi", "response_format": {"type": "yaml"}}, "response_format"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 2, 100000]}, "prompt"),
@@ -58,7 +62,9 @@ def test_invalid_completion_parameters(http, body, param):
     ({"messages": [{"content": "no role"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {}}]}, "tools"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+     "tool_choice"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_tokens"),
     ({"messages": CHAT, "stream_options": {"include_usage": "often"}}, "stream_options"),
 ])
@@ -123,7 +129,7 @@ _values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.
 _fields = sorted({f.name for f in dataclasses.fields(SamplingParams)} - {"max_tokens"} | {
     "model", "prompt", "messages", "logprobs", "top_logprobs", "echo", "stream", "stream_options",
     "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs", "tokens", "suffix", "tools",
-    "return_token_ids"})
+    "return_token_ids", "tool_choice", "response_format"})
 _message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""])},
                                  optional={"content": _values})
 
