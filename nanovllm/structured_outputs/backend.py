@@ -11,6 +11,10 @@ import torch
 
 from nanovllm.sampling_params import StructuredOutputsParams
 
+# xgrammar 0.2's strings with a length bound take any character but quote, backslash, CR and LF: a control
+# character (U+0000..U+001F) could be sampled, and JSON forbids it raw. The grammar text gets JSON's class.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
 # xgrammar's C++ errors start with "[time] /path/file.cc:line: "; the rest names the problem.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -69,11 +73,14 @@ class GrammarBackend:
         compiler = self._get_compiler()
         kind = params.kind
         try:
-            if kind == "json":
+            if kind in ("json", "json_object"):
                 schema = params.json if isinstance(params.json, dict) else {}
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                import xgrammar
+                # compact JSON (no free whitespace: a small model could spend its tokens on it)
+                grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema if kind == "json" else
+                                                                       {"type": "object"}),
+                                                            any_whitespace=False, strict_mode=True)
+                return compiler.compile_grammar(str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
