@@ -221,3 +221,25 @@ def test_logit_bias_changes_and_forces_the_first_token(client):
     with pytest.raises(openai.BadRequestError) as e:
         first_token(logit_bias={"99999999": 1})
     assert e.value.body["param"] == "logit_bias"
+
+
+def test_an_agent_sdk_tool_loop(server):
+    """The OpenAI Agents SDK drives a tool loop: a forced call, our tool's result, then the model's answer."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"It is sunny in {city}."
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the weather.", tools=[get_weather],
+        model=agents.OpenAIChatCompletionsModel(model="SmolLM2-135M-Instruct", openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=40))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert len(calls) == 1 and isinstance(calls[0], str)  # one call; then tool_choice resets to auto: an answer
+    assert isinstance(result.final_output, str) and result.final_output
