@@ -84,8 +84,7 @@ def test_json_schema_validates_over_prompts_and_seeds(client):
 
 def test_json_object(client):
     answers = concurrently(lambda p: chat(client, p, response_format={"type": "json_object"}, max_tokens=60,
-                                          temperature=0.7, seed=3,
-                                          extra_body={"structured_outputs": None}), PROMPTS[:2])
+                                          temperature=0.7, seed=3), PROMPTS[:2])
     for answer in answers:
         text = answer.choices[0].message.content
         if answer.choices[0].finish_reason == "stop":
