@@ -16,6 +16,7 @@ DTYPES = {
 # the KV cache also takes int8 on the CPU (a scale per token and KV head: kernels/cpu_ops.py)
 KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+PREFIX_CACHING_HASH_ALGOS = ("xxh64", "sha256")  # the keys of engine/block_manager.py's BLOCK_HASHES
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
@@ -35,6 +36,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # pool size in bytes; default 2 GiB on the CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (CUDA only)
     enable_prefix_caching: bool = True
+    # the prefix cache's block hash: xxh64 (fast) or sha256; a hit is exact with either (engine/block_manager.py)
+    prefix_caching_hash_algo: str = "xxh64"
     # auto: bfloat16 on CUDA; on the CPU float32 under cpu_int8, cpu_fp16 or an int8 KV cache, else bfloat16 where
     # the CPU has native bf16 matmuls, else float32
     dtype: str = "auto"
@@ -86,6 +89,9 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}.")
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, "
+                             f"got {self.prefix_caching_hash_algo!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
         if self.device.split(":")[0] not in ("cpu", "cuda"):

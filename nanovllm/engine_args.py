@@ -18,6 +18,8 @@ HELP = {
     "kv_cache_memory_bytes": "KV-cache pool size in bytes (default on the CPU: 2 GiB)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "prefix_caching_hash_algo": "hash of the prefix cache's blocks: xxh64 (default) or sha256 (as vLLM's); a hit "
+                                "also compares the tokens and the block before, so a collision costs a miss",
     "dtype": "auto (bfloat16 on CUDA, and on CPUs with AVX512-BF16 or AMX; else float32; float32 under "
              "--cpu-int8, --cpu-fp16 or an int8 KV cache), float32, float16 or bfloat16",
     "device": "cpu or cuda (default: cuda when available)",

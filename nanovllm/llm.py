@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine, Prompt
@@ -9,8 +11,70 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
-class LLM(LLMEngine):
-    """An engine for offline batches. ``LLM()`` with no model runs the embedded SmolLM2-135M-Instruct."""
+class _engine_attribute:  # lower case, as property
+    """The engine's attribute of that name, read through (a bound method for a method): LLM's thin delegation.
+    Only ``__get__``: an instance may still set its own (tests and benchmarks wrap ``step`` this way)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, llm, owner=None):
+        if llm is None:
+            return self
+        return getattr(llm.llm_engine, self.name)
+
+
+class LLM:
+    """An engine for offline batches. ``LLM()`` with no model runs the embedded SmolLM2-135M-Instruct.
+
+    It holds its ``LLMEngine`` (``llm_engine``) and releases it on ``close()``, at the end of a ``with`` block,
+    or once it is garbage: tensor-parallel workers exit then, and a later engine in the process starts clean.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.llm_engine = LLMEngine(model, **engine_args)
+        # holds the engine, not self: runs once, on close(), when the LLM is collected, or at interpreter exit
+        self._finalizer = weakref.finalize(self, self.llm_engine.close)
+
+    def close(self) -> None:
+        """Release the engine: its KV pool, its CUDA graphs, its tensor-parallel workers (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # the engine's request-level interface, for callers that step it themselves (AsyncLLM, the server, tests)
+    add_request = _engine_attribute("add_request")
+    abort_request = _engine_attribute("abort_request")
+    step = _engine_attribute("step")
+    has_unfinished_requests = _engine_attribute("has_unfinished_requests")
+    is_request_finished = _engine_attribute("is_request_finished")
+    make_output = _engine_attribute("make_output")
+    pop_finished = _engine_attribute("pop_finished")
+    forget_request = _engine_attribute("forget_request")
+    request_error = _engine_attribute("request_error")
+    reset_prefix_cache = _engine_attribute("reset_prefix_cache")
+    tokenize_prompt = _engine_attribute("tokenize_prompt")
+    validate_request = _engine_attribute("validate_request")
+    decode = _engine_attribute("decode")
+    # what the engine is and holds
+    config = _engine_attribute("config")
+    tokenizer = _engine_attribute("tokenizer")
+    hf_config = _engine_attribute("hf_config")
+    model_path = _engine_attribute("model_path")
+    eos_token_ids = _engine_attribute("eos_token_ids")
+    vocab_size = _engine_attribute("vocab_size")
+    max_model_len = _engine_attribute("max_model_len")
+    num_kvcache_blocks = _engine_attribute("num_kvcache_blocks")
+    last_step = _engine_attribute("last_step")
+    requests = _engine_attribute("requests")
+    async_scheduling = _engine_attribute("async_scheduling")
+    # its parts, for tests and benchmarks
+    scheduler = _engine_attribute("scheduler")
+    runner = _engine_attribute("runner")
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

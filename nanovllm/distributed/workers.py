@@ -63,9 +63,7 @@ def _init_group(config, rank: int, world_size: int, init_method: str):
 
 def _build_runner(config, hf_config, model_path: str, max_model_len: int, device: torch.device):
     from nanovllm.engine.model_runner import ModelRunner
-    from nanovllm.engine.sequence import Sequence
 
-    Sequence.block_size = config.kvcache_block_size
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     return ModelRunner(config, hf_config, model_path, max_model_len, rank=dist.get_rank(), device=device)

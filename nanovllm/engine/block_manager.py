@@ -2,32 +2,57 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
 
 NO_HASH = -1
+# content ids: a published block's content gets a fresh one; a block records its parent's (the block before it)
+NO_CONTENT = -1  # unpublished (or forgotten) content
+ROOT = 0  # the parent of a sequence's first block
 
 
-def block_hash(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
-    """Hash of a full block, chained over every token before it through the previous block's hash."""
+def _token_bytes(token_ids: list[int]) -> bytes:
+    return array("I", token_ids).tobytes()  # 4 bytes per token id (ids are below 2**32)
+
+
+def xxh64_block_hash(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
+    """64-bit xxHash of a full block, chained over every token before it through the previous block's hash."""
     h = xxhash.xxh64()
     if prefix_hash != NO_HASH:
         h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
+    h.update(_token_bytes(token_ids))
     return h.intdigest()
 
 
+def sha256_block_hash(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
+    """SHA-256 of a full block, chained as xxh64_block_hash (the digest as a 256-bit integer)."""
+    h = hashlib.sha256()
+    if prefix_hash != NO_HASH:
+        h.update(prefix_hash.to_bytes(32, "little"))
+    h.update(_token_bytes(token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+# prefix_caching_hash_algo -> block hash function (sha256: vLLM's name for the same choice)
+BLOCK_HASHES: dict[str, Callable[[list[int], int], int]] = {"xxh64": xxh64_block_hash, "sha256": sha256_block_hash}
+
+
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "content_id", "parent_content_id")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = NO_HASH
         self.token_ids: list[int] = []
+        self.content_id = NO_CONTENT
+        self.parent_content_id = NO_CONTENT
 
 
 class BlockManager:
@@ -36,12 +61,21 @@ class BlockManager:
     A block is *used* while some sequence holds it (ref_count > 0) and *free* otherwise. A free block keeps
     its prefix hash until it is handed out for new content, so a later request can still hit it; free blocks
     are reused oldest-freed first.
+
+    A prefix-cache hit is exact whatever the hash: a hit on block i needs the cached block's tokens to equal the
+    request's, and the block it was computed after (its parent, recorded by content id when it was published) to
+    be the block the request matched at i - 1. A hash collision then costs a miss, never another prefix's K/V.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "xxh64"):
         assert num_blocks > 0 and block_size > 0
+        if hash_algo not in BLOCK_HASHES:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(BLOCK_HASHES)}, got {hash_algo!r}.")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_block = BLOCK_HASHES[hash_algo]
+        self._next_content_id = ROOT + 1
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         # insertion-ordered: the oldest freed block comes out first (O(1) removal on a prefix hit)
@@ -71,6 +105,7 @@ class BlockManager:
             del self.hash_to_block_id[block.hash]
         block.hash = NO_HASH
         block.token_ids = []
+        block.content_id = block.parent_content_id = NO_CONTENT  # its children can no longer match after it
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
@@ -88,17 +123,21 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return [], []
+        assert seq.block_size == self.block_size, (seq.block_size, self.block_size)
         block_ids, hashes = [], []
-        prefix_hash = NO_HASH
+        prefix_hash, parent = NO_HASH, ROOT
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block(i)
-            h = block_hash(tokens, prefix_hash)
+            h = self.hash_block(tokens, prefix_hash)
             block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
                 break
+            block = self.blocks[block_id]
+            if block.parent_content_id != parent or block.token_ids != tokens:
+                break  # a collision (in this block or in one before it): compute it instead
             block_ids.append(block_id)
             hashes.append(h)
-            prefix_hash = h
+            prefix_hash, parent = h, block.content_id
         return block_ids, hashes
 
     # -- admission -----------------------------------------------------------------------------------------
@@ -170,11 +209,15 @@ class BlockManager:
         prefix_hash = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
         for i in range(len(seq.block_hashes), num_tokens // self.block_size):
             tokens = seq.block(i)
-            h = block_hash(tokens, prefix_hash)
+            h = self.hash_block(tokens, prefix_hash)
             block = self.blocks[seq.block_table[i]]
             if block.hash == NO_HASH:
                 block.hash = h
                 block.token_ids = list(tokens)
+                block.content_id = self._next_content_id
+                self._next_content_id += 1
+                # the block before it holds published content too (published in order, held by seq meanwhile)
+                block.parent_content_id = self.blocks[seq.block_table[i - 1]].content_id if i else ROOT
                 self.hash_to_block_id.setdefault(h, block.block_id)
                 published.append((block.block_id, h))
             seq.block_hashes.append(h)
@@ -210,3 +253,7 @@ class BlockManager:
             assert (block.ref_count > 0) == (block.block_id in self.used_block_ids)
         for h, block_id in self.hash_to_block_id.items():
             assert self.blocks[block_id].hash == h
+        for block in self.blocks:
+            assert (block.hash == NO_HASH) == (block.content_id == NO_CONTENT), "a hash without content, or back"
+            if block.hash != NO_HASH:
+                assert block.parent_content_id < block.content_id, "a parent is published before its children"

@@ -83,7 +83,6 @@ class LLMEngine:
                              "'original_max_position_embeddings': 32768}).")
         self.max_model_len = config.max_model_len or limit
 
-        Sequence.block_size = config.kvcache_block_size
         if config.tensor_parallel_size > 1:
             from nanovllm.distributed.workers import TensorParallelRunner
             self.runner = TensorParallelRunner(config, source, self.max_model_len)
@@ -98,7 +97,9 @@ class LLMEngine:
             num_kvcache_blocks=self.num_kvcache_blocks,
             kvcache_block_size=config.kvcache_block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            prefix_caching_hash_algo=config.prefix_caching_hash_algo,
         ), self.eos_token_ids)
+        self.closed = False
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
@@ -175,6 +176,8 @@ class LLMEngine:
         Sample 0 goes to the scheduler now; samples 1..n-1 join once sample 0's prompt is computed (right after
         its first token), so they find the prompt's full blocks in the prefix cache instead of recomputing them.
         """
+        if self.closed:
+            raise RuntimeError("this engine is closed: it takes no more requests.")
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_request(token_ids, params)
@@ -186,7 +189,7 @@ class LLMEngine:
         bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else ()
         samples = []
         for index in range(params.n):
-            seq = Sequence(token_ids, params)
+            seq = Sequence(token_ids, params, block_size=self.config.kvcache_block_size)
             seq.request_id = request_id
             seq.index = index
             seq.min_tokens_stop_ids = stop_ids if params.min_tokens > 0 else ()
@@ -514,6 +517,8 @@ class LLMEngine:
         del self.requests[request_id]
 
     def close(self) -> None:
+        """Release the runner (its workers, KV pool, CUDA graphs); idempotent."""
+        self.closed = True
         grammars = getattr(self, "grammars", None)
         if grammars is not None:
             grammars.close()

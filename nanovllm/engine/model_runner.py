@@ -128,7 +128,7 @@ class ModelRunner:
         seq_len = min(self.max_model_len, num_tokens)
         seqs = []
         while num_tokens > 0:
-            seq = Sequence([0] * min(seq_len, num_tokens))
+            seq = Sequence([0] * min(seq_len, num_tokens), block_size=self.block_size)
             seq.num_scheduled_tokens = seq.num_tokens
             seq.block_table = [0] * seq.num_blocks
             seqs.append(seq)

@@ -28,6 +28,7 @@ class SchedulerConfig:
     num_kvcache_blocks: int
     kvcache_block_size: int
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "xxh64"
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = set(eos_token_ids)
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, config.prefix_caching_hash_algo)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = SchedulerStats()

@@ -20,14 +20,17 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    # Class-wide KV block size; the engine sets it to its configured kvcache_block_size, so every Sequence in
-    # a process shares it.
+    # The default KV block size only: each Sequence carries its own (its engine's kvcache_block_size), since
+    # engines with different block sizes can share a process. No engine writes this class attribute.
     block_size = 256
     # Class-wide id generator. Warm-up also builds sequences, so the first user request need not get id 0.
     counter = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams()):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
+                 block_size: int | None = None):
         self.seq_id = next(Sequence.counter)
+        # an instance attribute, read by the block arithmetic below in place of the class default
+        self.block_size = Sequence.block_size if block_size is None else block_size
         self.status = SequenceStatus.WAITING
         # A copy: append_token() must not change the caller's list.
         self.token_ids = copy(token_ids)
@@ -107,11 +110,11 @@ class Sequence:
         # What a tensor-parallel worker needs for one step: prefill needs the token list, decode only the last token.
         last_state = self.last_token if not self.is_prefill else self.token_ids
         return (self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
-                self.block_table, last_state)
+                self.block_table, last_state, self.block_size)
 
     def __setstate__(self, state):
         (self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
-         self.block_table, last_state) = state
+         self.block_table, last_state, self.block_size) = state
         if isinstance(last_state, list):
             self.token_ids = last_state
             self.last_token = self.token_ids[-1]

@@ -42,7 +42,8 @@ def assert_all_free(llm) -> None:
     bm = llm.scheduler.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
-    assert llm._in_flight is None or all(s.is_finished for s in llm._in_flight.seqs)
+    in_flight = llm.llm_engine._in_flight
+    assert in_flight is None or all(s.is_finished for s in in_flight.seqs)
 
 
 def test_same_greedy_tokens_with_varied_lengths_and_eos(tiny_qwen3):
@@ -107,7 +108,7 @@ def test_abort_while_a_step_is_in_flight(tiny_qwen3):
     ids = [engine.add_request(p, params) for p in prompts(4)]
     for _ in range(4):
         engine.step()
-    assert engine._in_flight is not None, "a step is planned ahead"
+    assert engine.llm_engine._in_flight is not None, "a step is planned ahead"
     assert engine.abort_request(ids[1])
     finished = {}
     while engine.has_unfinished_requests():

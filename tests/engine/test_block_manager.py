@@ -140,7 +140,7 @@ def test_uncomputed_blocks_are_not_shared():
 
 def test_hash_collision_is_checked_against_tokens(monkeypatch):
     import nanovllm.engine.block_manager as mod
-    monkeypatch.setattr(mod, "block_hash", lambda tokens, prefix=-1: 7)
+    monkeypatch.setitem(mod.BLOCK_HASHES, "xxh64", lambda tokens, prefix=-1: 7)
     bm = BlockManager(8, BLOCK)
     a = Sequence([1, 1, 1, 1, 5])
     bm.allocate(a)
@@ -149,3 +149,74 @@ def test_hash_collision_is_checked_against_tokens(monkeypatch):
     b = Sequence([2, 2, 2, 2, 5])
     bm.allocate(b)
     assert b.num_cached_tokens == 0, "same hash but other tokens must miss"
+
+
+def _publish(bm, tokens):
+    seq = Sequence(tokens)
+    bm.allocate(seq)
+    seq.num_cached_tokens = seq.num_tokens
+    bm.cache_computed_blocks(seq)
+    return seq
+
+
+@pytest.mark.parametrize("hash_algo", ["xxh64", "sha256"])
+def test_a_collision_in_an_earlier_block_serves_no_other_prefix(monkeypatch, hash_algo):
+    """A hash that forgets the chain (every block hashes its own tokens only): b's second block collides with
+    a's, computed after another first block. A request that follows b's first block must not be served a's."""
+    import nanovllm.engine.block_manager as mod
+    own_tokens_only = mod.BLOCK_HASHES[hash_algo]
+    monkeypatch.setitem(mod.BLOCK_HASHES, hash_algo, lambda tokens, prefix=-1: own_tokens_only(tokens))
+    bm = BlockManager(12, BLOCK, hash_algo=hash_algo)
+    a = _publish(bm, [1, 1, 1, 1, 5, 5, 5, 5, 9])
+    b = _publish(bm, [2, 2, 2, 2, 5, 5, 5, 5, 9])
+    assert b.num_cached_tokens == b.num_tokens and bm.hash_to_block_id[b.block_hashes[1]] == a.block_table[1]
+    follows_b = Sequence([2, 2, 2, 2, 5, 5, 5, 5, 7])
+    bm.allocate(follows_b)
+    assert follows_b.block_table[0] == b.block_table[0]
+    assert follows_b.num_cached_tokens == 4, "a's [5555] was computed after [1111]: a miss, not a hit"
+    assert follows_b.block_table[1] != a.block_table[1]
+    follows_a = Sequence([1, 1, 1, 1, 5, 5, 5, 5, 7])
+    bm.allocate(follows_a)
+    assert follows_a.block_table[:2] == a.block_table[:2], "the true prefix still hits both blocks"
+    bm.check_invariants()
+
+
+def test_a_reused_parent_block_does_not_lead_to_its_old_children(monkeypatch):
+    """A block reused for new content gets a new content id: a cached child of its old content cannot follow the
+    new content in the same block, even where the hash says so (a hash of each block's own tokens only)."""
+    import nanovllm.engine.block_manager as mod
+    monkeypatch.setitem(mod.BLOCK_HASHES, "xxh64", lambda tokens, prefix=-1: mod.xxh64_block_hash(tokens))
+    bm = BlockManager(3, BLOCK)
+    a = _publish(bm, [1, 1, 1, 1, 5, 5, 5, 5, 9])  # blocks [1111] [5555] [9]
+    first, second, last = a.block_table
+    bm.deallocate(a)
+    for block_id in (last, second):  # hand out `first` first, then `last`; `second` keeps its cached [5555]
+        bm.free_block_ids.move_to_end(block_id)
+    c = _publish(bm, [2, 2, 2, 2, 8])
+    assert c.block_table == [first, last]
+    bm.deallocate(c)
+    b = Sequence([2, 2, 2, 2, 5, 5, 5, 5, 9])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4, "[2222] hits; [5555] was computed after [1111], not after [2222]"
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("hash_algo", ["xxh64", "sha256"])
+def test_both_hashes_hit_the_same_prefixes(hash_algo):
+    bm = BlockManager(16, BLOCK, hash_algo=hash_algo)
+    _publish(bm, list(range(13)))
+    seq = Sequence(list(range(12)) + [99])
+    bm.allocate(seq)
+    assert seq.num_cached_tokens == 12
+    bm.check_invariants()
+
+
+def test_an_unknown_hash_algo_names_the_choices():
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo.*sha256.*md5"):
+        BlockManager(4, BLOCK, hash_algo="md5")
+
+
+def test_a_sequence_of_another_block_size_is_refused():
+    bm = BlockManager(4, BLOCK)
+    with pytest.raises(AssertionError):
+        bm.allocate(Sequence(list(range(9)), block_size=BLOCK * 2))
