@@ -1,47 +1,73 @@
-"""Tensor-parallel rank and size, read from torch.distributed; rank 0 of 1 when it is not initialised."""
+"""One engine's tensor-parallel place: its rank, the number of ranks and their collectives.
+
+Nothing here reads torch.distributed's process-wide state: an engine of one rank makes no collective call, even
+in a process where another engine's process group still exists. A model's layers take their engine's
+``TensorParallel`` while the model is built (``building_model``) and keep it.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.distributed as dist
 
-# the engine's own all-reduce for small CUDA tensors (symmetric_all_reduce.py), set by the model runner
-_custom_all_reduce = None
+
+class TensorParallel:
+    """An engine's rank among ``size`` ranks; with size > 1, the collectives go over the default process group,
+    which that engine created (distributed/workers.py)."""
+
+    def __init__(self, rank: int = 0, size: int = 1):
+        assert 0 <= rank < size
+        self.rank = rank
+        self.size = size
+        # the engine's own all-reduce of small CUDA tensors (symmetric_all_reduce.py), set by its model runner
+        self.custom_all_reduce = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place; returns x."""
+        if self.size > 1:
+            reducer = self.custom_all_reduce
+            if reducer is not None and reducer.handles(x):
+                return reducer(x)
+            dist.all_reduce(x)
+        return x
+
+    def min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's value (a collective: every rank must call it). device: where the group's
+        backend takes tensors (CUDA for NCCL)."""
+        if self.size == 1:
+            return value
+        flag = torch.tensor([value], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return int(flag.item())
 
 
-def tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+# the engine whose model is being built in this thread (None: one rank)
+_building: ContextVar[TensorParallel | None] = ContextVar("nanovllm_building_tensor_parallel", default=None)
+
+
+@contextmanager
+def building_model(tp: TensorParallel) -> Iterator[None]:
+    """Layers built inside take ``tp`` (``current_tensor_parallel``)."""
+    token = _building.set(tp)
+    try:
+        yield
+    finally:
+        _building.reset(token)
+
+
+def current_tensor_parallel() -> TensorParallel:
+    """The TensorParallel of the model being built; a fresh one-rank one outside ``building_model``."""
+    tp = _building.get()
+    return tp if tp is not None else TensorParallel()
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return current_tensor_parallel().rank
 
 
-def set_custom_all_reduce(reducer) -> None:
-    """Route the all-reduces it handles to reducer (None: NCCL/gloo for all)."""
-    global _custom_all_reduce
-    _custom_all_reduce = reducer
-
-
-def custom_all_reduce():
-    """The engine's own all-reduce for small CUDA tensors, or None."""
-    return _custom_all_reduce
-
-
-def min_across_ranks(value: int, device: torch.device) -> int:
-    """The smallest of every tensor-parallel rank's value (a collective: every rank must call it); value itself
-    without tensor parallelism. device: where the default group's backend takes tensors (CUDA for NCCL)."""
-    if tp_size() == 1:
-        return value
-    flag = torch.tensor([value], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return int(flag.item())
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum x over the tensor-parallel ranks, in place; returns x."""
-    if tp_size() > 1:
-        if _custom_all_reduce is not None and _custom_all_reduce.handles(x):
-            return _custom_all_reduce(x)
-        dist.all_reduce(x)
-    return x
+def tp_size() -> int:
+    return current_tensor_parallel().size

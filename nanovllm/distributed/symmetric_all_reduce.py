@@ -21,8 +21,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanovllm.distributed.state import min_across_ranks
-
 log = logging.getLogger(__name__)
 
 # torch keeps a group's symmetric-memory setup by the group's name, and a process group created after an earlier
@@ -115,4 +113,6 @@ class SymmetricAllReduce:
 
 
 def _all_ranks_agree(ok: bool, device: torch.device) -> bool:
-    return bool(min_across_ranks(int(ok), device))
+    flag = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # over the default group, as the operation itself
+    return bool(flag.item())

@@ -2,7 +2,10 @@
 
 Two ways to start the ranks:
 - ``LLM(..., tensor_parallel_size=N)`` on one machine: rank 0 is this process and spawns N-1 workers; they
-  meet on a free TCP port of 127.0.0.1 (no fixed port, no shared-memory name).
+  meet on rank 0's store, on a free TCP port of 127.0.0.1 (no fixed port, no shared-memory name). Rank 0 watches
+  them at every stage (worker_set.py): a worker that dies or raises is named, with its own error, within seconds.
+  The engine creates its process group and destroys it on close (or when it is garbage); it never joins a group
+  it did not create.
 - under ``torchrun --nproc-per-node N [--nnodes M ...] script.py``: every process runs the same script; the
   process with RANK 0 returns from ``LLM(...)`` and drives, the others serve steps inside the constructor and
   exit when the driver closes the engine.
@@ -18,28 +21,30 @@ sequence, its row among the previous step's sampled ids.
 
 from __future__ import annotations
 
-import atexit
-import datetime
+import gc
 import logging
+import multiprocessing
 import os
-import socket
 import sys
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanovllm.distributed.state import TensorParallel
+from nanovllm.distributed.worker_set import (
+    MAIN_GUARD_ADVICE,
+    STEP_TIMEOUT,
+    WorkerFailure,
+    WorkerSet,
+    ready_key,
+    report_error,
+)
+
 logger = logging.getLogger(__name__)
-
-STEP_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device_for(config, local_rank: int) -> torch.device:
@@ -49,24 +54,39 @@ def _device_for(config, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_group(config, rank: int, world_size: int, init_method: str):
-    """Join the tensor-parallel group; returns the control group (gloo) that carries each step's message.
+def _claim_default_group() -> None:
+    """Make sure no process group exists before this engine creates its own."""
+    if dist.is_initialized():
+        gc.collect()  # an engine dropped without close() (in a reference cycle): its finalizer destroys its group
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process (another "
+                           "tensor-parallel engine that is still open, or the program's own): a tensor-parallel "
+                           "engine creates its own group and joins no other; close() the other engine first.")
+
+
+def _init_group(config, rank: int, world_size: int, store: dist.Store | None):
+    """Join the tensor-parallel group (through ``store``, or env:// under torchrun); returns the control group
+    (gloo) that carries each step's message.
 
     Messages go over the host (TCP), not through the GPU: a message sent on the NCCL group would queue behind the
     step running on rank 0's device, and a worker could not prepare the next step while its device computes.
     """
     backend = "nccl" if config.is_cuda else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=STEP_TIMEOUT)
+    if store is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=STEP_TIMEOUT)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=STEP_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=STEP_TIMEOUT) if config.is_cuda else dist.group.WORLD
 
 
 def _build_runner(config, hf_config, model_path: str, max_model_len: int, device: torch.device):
     from nanovllm.engine.model_runner import ModelRunner
 
+    world_size = dist.get_world_size()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    return ModelRunner(config, hf_config, model_path, max_model_len, rank=dist.get_rank(), device=device)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    tp = TensorParallel(dist.get_rank(), world_size)
+    return ModelRunner(config, hf_config, model_path, max_model_len, tp=tp, device=device)
 
 
 def _serve_steps(runner, control) -> None:
@@ -98,72 +118,117 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def worker_main(rank: int, world_size: int, init_method: str, config, hf_config, model_path: str,
+def worker_main(rank: int, world_size: int, store_port: int, config, hf_config, model_path: str,
                 max_model_len: int, parent_pid: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    control = _init_group(config, rank, world_size, init_method)
+    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=STEP_TIMEOUT)
     runner = None
     try:
+        store.set(ready_key(rank), str(os.getpid()))  # imports done: rank 0 stops watching for a bad start
+        control = _init_group(config, rank, world_size, store)
         runner = _build_runner(config, hf_config, model_path, max_model_len, _device_for(config, rank))
         _serve_steps(runner, control)
+    except BaseException:
+        report_error(store, rank)
+        raise
     finally:
         if runner is not None:
             runner.close()  # CUDA graphs hold NCCL work: free them before the group
         control = None  # see TensorParallelRunner.close
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_not_importing_main() -> None:
+    """In a spawned process still importing the main module (a script without the main guard), stop at once
+    with the advice, rather than spawning workers of workers."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(f"a tensor-parallel LLM was created while this process (a spawned worker) was "
+                           f"importing the main module. {MAIN_GUARD_ADVICE}")
 
 
 class TensorParallelRunner:
-    """Rank 0's runner: same interface as ModelRunner (run, num_kvcache_blocks, close)."""
+    """Rank 0's runner: same interface as ModelRunner (run, launch, num_kvcache_blocks, close)."""
 
     supports_prompt_logprobs = True
 
     def __init__(self, config, source, max_model_len: int):
         self.world_size = config.tensor_parallel_size
-        self.processes: list = []
         if config.is_cuda and torch.cuda.device_count() < self.world_size and "WORLD_SIZE" not in os.environ:
             raise ValueError(f"tensor_parallel_size {self.world_size} needs {self.world_size} GPUs; "
                              f"torch sees {torch.cuda.device_count()}.")
-        if "WORLD_SIZE" in os.environ:  # started by torchrun
-            world = int(os.environ["WORLD_SIZE"])
-            if world != self.world_size:
-                raise ValueError(f"tensor_parallel_size {self.world_size} does not match torchrun's WORLD_SIZE {world}.")
-            rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
-            self.control = _init_group(config, rank, world, "env://")
-            device = _device_for(config, local_rank)
-            if rank != 0:
-                runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
-                _serve_steps(runner, self.control)
-                runner.close()
-                self.control = None  # no process group may outlive destroy_process_group (see close)
-                dist.destroy_process_group()
-                sys.exit(0)
-        else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
-            ctx = mp.get_context("spawn")
-            for rank in range(1, self.world_size):
-                process = ctx.Process(target=worker_main, daemon=True, args=(
-                    rank, self.world_size, init_method, config, source.hf_config, source.path, max_model_len,
-                    os.getpid()))
-                process.start()
-                self.processes.append(process)
-            self.control = _init_group(config, 0, self.world_size, init_method)
-            device = _device_for(config, 0)
-        self.runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
+        _check_not_importing_main()
+        _claim_default_group()
+        self.control = None
+        self.runner = None
+        self.workers = WorkerSet([], None, abort_on_death=False)
+        try:
+            if "WORLD_SIZE" in os.environ:  # started by torchrun
+                device = self._join_torchrun(config, source, max_model_len)
+            else:
+                device = self._spawn_workers(config, source, max_model_len)
+            with self.workers.watch("loading the weights and agreeing on the KV pool size"):
+                self.runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
+        except BaseException:
+            self.workers.broken = True
+            _shutdown(self.workers, self.control, self.runner)
+            self.control = None
+            raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.disable_slice_sampling = False  # tests and benchmarks: gather the logits on rank 0 instead
-        self.closed = False
-        atexit.register(self.close)
+        # once: on close(), when this runner is garbage, or at interpreter exit (holds its parts, not self)
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.control, self.runner)
+
+    @property
+    def processes(self) -> list:
+        return self.workers.processes
+
+    def _spawn_workers(self, config, source, max_model_len: int) -> torch.device:
+        store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, timeout=STEP_TIMEOUT,
+                              wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        processes = []
+        self.workers = WorkerSet(processes, store, abort_on_death=config.is_cuda)
+        for rank in range(1, self.world_size):
+            process = ctx.Process(target=worker_main, daemon=True, args=(
+                rank, self.world_size, store.port, config, source.hf_config, source.path, max_model_len,
+                os.getpid()))
+            process.start()
+            processes.append(process)
+        self.workers.wait_until_ready()
+        with self.workers.watch("joining the process group"):
+            self.control = _init_group(config, 0, self.world_size, store)
+        return _device_for(config, 0)
+
+    def _join_torchrun(self, config, source, max_model_len: int) -> torch.device:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != self.world_size:
+            raise ValueError(f"tensor_parallel_size {self.world_size} does not match torchrun's WORLD_SIZE {world}.")
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+        self.control = _init_group(config, rank, world, None)
+        device = _device_for(config, local_rank)
+        if rank != 0:
+            runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
+            _serve_steps(runner, self.control)
+            runner.close()
+            self.control = None  # no process group may outlive destroy_process_group (see close)
+            dist.destroy_process_group()
+            sys.exit(0)
+        return device
 
     def run(self, seqs):
         return self.launch(seqs).result()
 
     def launch(self, seqs, after=None):
         """Send the step to the workers, then start it here; ``after``: as ``ModelRunner.launch``."""
-        for process in self.processes:
-            if not process.is_alive():
-                raise RuntimeError(f"a tensor-parallel worker (pid {process.pid}) died with exit code "
-                                   f"{process.exitcode}; the engine cannot continue.")
+        if not self._finalizer.alive:
+            raise RuntimeError("this tensor-parallel engine is closed.")
+        if self.workers.broken:
+            raise WorkerFailure("an earlier stage failed, and the tensor-parallel ranks are out of step: close "
+                                "this engine and make a new one.")
+        if self.workers.dead():
+            self.workers.check("idle between steps")
+        after = after.handle if after is not None else None
         source_rows = None
         if after is None:
             # Only rank 0's sequences know their sampling parameters: decide here which want prompt logits.
@@ -174,9 +239,11 @@ class TensorParallelRunner:
             source_rows = after.rows_of(seqs)
         slice_sampling = self._slice_sampling(seqs, after) if not prompt_logprob_seqs else None
         message = ("run", (seqs, prompt_logprob_seqs, source_rows, slice_sampling))
-        dist.broadcast_object_list([message], src=0, group=self.control)
-        return self.runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows,
-                                  slice_sampling=slice_sampling)
+        with self.workers.watch("running a step"):
+            dist.broadcast_object_list([message], src=0, group=self.control)
+            handle = self.runner.launch(seqs, prompt_logprob_seqs, after=after, source_rows=source_rows,
+                                        slice_sampling=slice_sampling)
+        return _WatchedStep(handle, self.workers)
 
     def _slice_sampling(self, seqs, after):
         """(temperatures, seeds) when every rank can sample on its own slice of the vocabulary, else None.
@@ -192,21 +259,32 @@ class TensorParallelRunner:
         return temperature_only_rows(sampled, self.runner.seed_source)
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.runner.close()
-        try:
-            if all(p.is_alive() for p in self.processes):
-                dist.broadcast_object_list([("exit", None)], src=0, group=self.control)
-                dist.barrier(group=self.control)
-            for process in self.processes:
-                process.join(timeout=30)
-                if process.is_alive():
-                    process.kill()
-        finally:
-            # A group object still referenced after destroy_process_group is destructed at interpreter exit,
-            # where gloo's threads can abort the process ("terminate called without an active exception").
-            self.control = None
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        """Stop the workers and destroy the process group (idempotent)."""
+        self._finalizer()
+        # A group object still referenced after destroy_process_group is destructed at interpreter exit, where
+        # gloo's threads can abort the process ("terminate called without an active exception").
+        self.control = None
+
+
+class _WatchedStep:
+    """A launched step whose ``result()`` names a worker's failure (on CUDA, a step blocked on the device fails
+    once the watchdog aborts the group)."""
+
+    def __init__(self, handle, workers: WorkerSet):
+        self.handle = handle
+        self.seqs = handle.seqs
+        self._workers = workers
+
+    def result(self):
+        with self._workers.watch("running a step"):
+            return self.handle.result()
+
+
+def _shutdown(workers: WorkerSet, control, runner) -> None:
+    if runner is not None:
+        runner.close()  # CUDA graphs hold NCCL work: free them before the group
+    try:
+        workers.stop(control)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

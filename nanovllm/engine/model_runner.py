@@ -9,7 +9,7 @@ import torch
 
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
-from nanovllm.distributed.state import min_across_ranks, set_custom_all_reduce, tp_size
+from nanovllm.distributed.state import TensorParallel, building_model
 from nanovllm.engine.batch import StepBatch, prepare_batch, prepare_decode_ahead
 from nanovllm.engine.sampling import (
     RunnerOutput,
@@ -41,9 +41,11 @@ def make_attention_backend(config: EngineConfig):
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path: str, max_model_len: int,
-                 rank: int = 0, device: torch.device | None = None):
+                 tp: TensorParallel | None = None, device: torch.device | None = None):
+        """tp: this rank's place in its engine's tensor-parallel group (None: one rank, no collectives)."""
         self.config = config
-        self.rank = rank
+        self.tp = tp if tp is not None else TensorParallel()
+        self.rank = self.tp.rank
         self.max_model_len = max_model_len
         self.block_size = config.kvcache_block_size
         self.device = device or torch.device(config.device)
@@ -53,16 +55,15 @@ class ModelRunner:
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), building_model(self.tp):
                 self.model = model_class(hf_config)(hf_config, max_model_len)
         finally:
             torch.set_default_dtype(previous_dtype)
         self.model.eval()
         self.custom_all_reduce = None
-        if self.device.type == "cuda" and tp_size() > 1 and not config.disable_custom_all_reduce:
+        if self.device.type == "cuda" and self.tp.size > 1 and not config.disable_custom_all_reduce:
             from nanovllm.distributed.symmetric_all_reduce import SymmetricAllReduce
-            self.custom_all_reduce = SymmetricAllReduce.create(self.device)
-            set_custom_all_reduce(self.custom_all_reduce)
+            self.custom_all_reduce = self.tp.custom_all_reduce = SymmetricAllReduce.create(self.device)
         load_weights(self.model, checkpoint_tensors(self.model, model_path, config, self.device),
                      source=model_path if config.load_format != "dummy" else "dummy weights")
         if self.device.type == "cpu":
@@ -87,7 +88,7 @@ class ModelRunner:
             self.graphs.close()
             self.graphs = None
         if self.custom_all_reduce is not None:
-            set_custom_all_reduce(None)
+            self.tp.custom_all_reduce = None
             self.custom_all_reduce.close()
             self.custom_all_reduce = None
         self.kv_cache = None
@@ -116,7 +117,7 @@ class ModelRunner:
 
     def _agree_across_ranks(self, num_blocks: int) -> int:
         """Every tensor-parallel rank must use the same pool size: the smallest any rank can hold."""
-        return min_across_ranks(num_blocks, self.device)
+        return self.tp.min(num_blocks, self.device)
 
     def _profile_free_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after a forward at the largest batch."""
@@ -255,7 +256,7 @@ class ModelRunner:
     def shares_sampled_tokens(self) -> bool:
         """Tensor parallel with planned steps: every rank needs the sampled ids on its device, as inputs of the
         step planned after this one (only rank 0 samples)."""
-        return tp_size() > 1 and self.config.async_scheduling_enabled
+        return self.tp.size > 1 and self.config.async_scheduling_enabled
 
     def _share_sampled_tokens(self, token_ids: torch.Tensor | None, count: int) -> torch.Tensor:
         """Rank 0's sampled ids, on every rank's device: a broadcast queued on the stream, no host sync."""

@@ -7,14 +7,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.distributed.state import all_reduce, tp_rank, tp_size
+from nanovllm.distributed.state import current_tensor_parallel
 from nanovllm.layers.cpu import CpuPackedMatmul
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp = current_tensor_parallel()  # its engine's: another engine may share this process
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.vocab_size = vocab_size
         self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
         if self.tp_size > 1:  # slices start on multiples of 4, as the sampling kernel's noise needs
@@ -39,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mine.unsqueeze(-1)
-        return all_reduce(y)  # tp_size > 1 here
+        return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(CpuPackedMatmul, VocabParallelEmbedding):

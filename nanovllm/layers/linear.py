@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.distributed.state import all_reduce, custom_all_reduce, tp_rank, tp_size
+from nanovllm.distributed.state import current_tensor_parallel, tp_size
 from nanovllm.layers.cpu import CpuPackedMatmul
 
 
@@ -26,7 +26,8 @@ class LinearBase(CpuPackedMatmul, nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp = current_tensor_parallel()  # its engine's: another engine may share this process
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -122,13 +123,12 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        # the layer's own size, fixed when it was built: another engine may share this process
         if self.tp_size == 1:
             return self.cpu_matmul(x, bias)
-        reducer = custom_all_reduce() if x.is_cuda else None
+        reducer = self.tp.custom_all_reduce if x.is_cuda else None
         shared = reducer.shared_output((*x.shape[:-1], self.weight.shape[0]), x.dtype) if reducer else None
         if shared is None:
-            return all_reduce(self.cpu_matmul(x, bias))
+            return self.tp.all_reduce(self.cpu_matmul(x, bias))
         # decode-sized: the partial sum goes straight into the buffer the ranks share, and the sum is read from
         # there (no copy in or out); it is valid until the next all-reduce, and the residual add + norm that
         # follows every row-parallel layer reads it before then
