@@ -162,6 +162,7 @@ class TensorParallelRunner:
         self.control = None
         self.runner = None
         self.workers = WorkerSet([], None, abort_on_death=False)
+        num_threads = torch.get_num_threads()  # rank 0 shares the CPU with its workers until it closes
         try:
             if "WORLD_SIZE" in os.environ:  # started by torchrun
                 device = self._join_torchrun(config, source, max_model_len)
@@ -171,13 +172,13 @@ class TensorParallelRunner:
                 self.runner = _build_runner(config, source.hf_config, source.path, max_model_len, device)
         except BaseException:
             self.workers.broken = True
-            _shutdown(self.workers, self.control, self.runner)
+            _shutdown(self.workers, self.control, self.runner, num_threads)
             self.control = None
             raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.disable_slice_sampling = False  # tests and benchmarks: gather the logits on rank 0 instead
         # once: on close(), when this runner is garbage, or at interpreter exit (holds its parts, not self)
-        self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.control, self.runner)
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.control, self.runner, num_threads)
 
     @property
     def processes(self) -> list:
@@ -280,7 +281,8 @@ class _WatchedStep:
             return self.handle.result()
 
 
-def _shutdown(workers: WorkerSet, control, runner) -> None:
+def _shutdown(workers: WorkerSet, control, runner, num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
     if runner is not None:
         runner.close()  # CUDA graphs hold NCCL work: free them before the group
     try:

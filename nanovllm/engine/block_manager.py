@@ -22,21 +22,14 @@ def _token_bytes(token_ids: list[int]) -> bytes:
 
 
 def xxh64_block_hash(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
-    """64-bit xxHash of a full block, chained over every token before it through the previous block's hash."""
-    h = xxhash.xxh64()
-    if prefix_hash != NO_HASH:
-        h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(_token_bytes(token_ids))
-    return h.intdigest()
+    """64-bit xxHash of a full block, chained over every token before it: the previous block's hash seeds it."""
+    return xxhash.xxh64_intdigest(_token_bytes(token_ids), 0 if prefix_hash == NO_HASH else prefix_hash)
 
 
 def sha256_block_hash(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
-    """SHA-256 of a full block, chained as xxh64_block_hash (the digest as a 256-bit integer)."""
-    h = hashlib.sha256()
-    if prefix_hash != NO_HASH:
-        h.update(prefix_hash.to_bytes(32, "little"))
-    h.update(_token_bytes(token_ids))
-    return int.from_bytes(h.digest(), "little")
+    """SHA-256 of the previous block's hash and a full block's tokens (the digest as a 256-bit integer)."""
+    prefix = b"" if prefix_hash == NO_HASH else prefix_hash.to_bytes(32, "little")
+    return int.from_bytes(hashlib.sha256(prefix + _token_bytes(token_ids)).digest(), "little")
 
 
 # prefix_caching_hash_algo -> block hash function (sha256: vLLM's name for the same choice)

@@ -70,8 +70,11 @@ def tokens(llm) -> list[list[int]]:
 def engines() -> None:
     import torch.distributed as dist
 
+    import torch
+
     from nanovllm import LLM
 
+    threads = torch.get_num_threads()
     dropped = LLM(MODEL, tensor_parallel_size=2, **KW)
     dropped_tokens = tokens(dropped)
     dropped.cycle = dropped  # `del` alone does not collect it: its group and worker stay alive
@@ -103,6 +106,7 @@ def engines() -> None:
     worker.join(timeout=10)
     assert not worker.is_alive() and not dist.is_initialized()
     assert multiprocessing.active_children() == []
+    assert torch.get_num_threads() == threads, "rank 0's share of the CPU is given back"
     print("OK", flush=True)
 
 
