@@ -62,6 +62,8 @@ class WorkerSet:
         self.processes = processes
         self.store = store
         self.broken = False  # a stage failed: the ranks are out of step, only killing the workers is safe
+        self._failure: str | None = None  # the first failure found (later ones may be workers rank 0 killed)
+        self._stage = "starting"  # what rank 0 does now, for the watchdog's message
         self._closing = False
         self._watchdog = None
         if abort_on_death and processes:
@@ -101,24 +103,36 @@ class WorkerSet:
         return None
 
     def check(self, stage: str) -> None:
-        failure = self.failure(stage)
+        """Raise WorkerFailure if a worker died or raised, or an earlier stage failed."""
+        if self._failure is None and (self.broken or self.dead()):
+            self._record(self.failure(stage))
+        if self._failure is not None:
+            raise WorkerFailure(self._failure)
+        if self.broken:
+            raise WorkerFailure("an earlier stage failed, and the tensor-parallel ranks are out of step: close this "
+                                "engine and make a new one.")
+
+    def _record(self, failure: WorkerFailure | None) -> None:
         if failure is not None:
             self.broken = True
-            raise failure
+            if self._failure is None:
+                self._failure = str(failure)
 
     @contextmanager
     def watch(self, stage: str) -> Iterator[None]:
         """Run a stage that talks to the workers: if it fails because a worker died or raised, raise that
         worker's error instead. Any failure leaves the ranks out of step (``broken``): the other workers, which may
         wait in a collective for ever, are killed at once."""
+        self._stage = stage
         try:
             yield
         except BaseException as exc:
             self.broken = True
-            failure = self._wait_for_failure(stage)
+            if self._failure is None:
+                self._record(self._wait_for_failure(stage))
             self.stop(None)
-            if failure is not None:
-                raise failure from exc
+            if self._failure is not None:
+                raise WorkerFailure(self._failure) from exc
             raise
 
     def _wait_for_failure(self, stage: str) -> WorkerFailure | None:
@@ -134,7 +148,8 @@ class WorkerSet:
         deadline = time.monotonic() + timeout.total_seconds()
         pending = set(range(1, len(self.processes) + 1))
         while pending:
-            self.check("starting")
+            if self.dead():
+                self.check("starting")
             pending = {rank for rank in pending if not _has_key(self.store, ready_key(rank))}
             if pending and time.monotonic() > deadline:
                 self.broken = True
@@ -147,7 +162,7 @@ class WorkerSet:
             if self.dead():
                 if not self._closing:
                     logger.error("a tensor-parallel worker died: aborting the process group")
-                    self.broken = True
+                    self._record(self.failure(self._stage))
                     try:
                         dist.distributed_c10d._abort_process_group()
                     except Exception as exc:  # an older torch: the step waits for the group's timeout

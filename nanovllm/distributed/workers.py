@@ -38,7 +38,6 @@ from nanovllm.distributed.state import TensorParallel
 from nanovllm.distributed.worker_set import (
     MAIN_GUARD_ADVICE,
     STEP_TIMEOUT,
-    WorkerFailure,
     WorkerSet,
     ready_key,
     report_error,
@@ -224,11 +223,7 @@ class TensorParallelRunner:
         """Send the step to the workers, then start it here; ``after``: as ``ModelRunner.launch``."""
         if not self._finalizer.alive:
             raise RuntimeError("this tensor-parallel engine is closed.")
-        if self.workers.broken:
-            raise WorkerFailure("an earlier stage failed, and the tensor-parallel ranks are out of step: close "
-                                "this engine and make a new one.")
-        if self.workers.dead():
-            self.workers.check("idle between steps")
+        self.workers.check("between steps")
         after = after.handle if after is not None else None
         source_rows = None
         if after is None:
@@ -278,7 +273,10 @@ class _WatchedStep:
 
     def result(self):
         with self._workers.watch("running a step"):
-            return self.handle.result()
+            output = self.handle.result()
+        # the watchdog may have aborted the group under this step (CUDA): its tokens are not to be trusted
+        self._workers.check("running a step")
+        return output
 
 
 def _shutdown(workers: WorkerSet, control, runner, num_threads: int) -> None:

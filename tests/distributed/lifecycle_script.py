@@ -4,9 +4,9 @@ hang is a timeout there and not a hung suite).
 usage: lifecycle_script.py SCENARIO MODEL MARKER_FILE
   engines: a TP=2 engine dropped without close() (kept alive by a reference cycle), then a TP=1 engine that may
            make no collective call, then a TP=2 engine again, dropped without a cycle; prints OK
-  kill: two TP=2 engines; worker 1 of the first kills itself (SIGKILL) while loading its weights, that of the
-        second in its third step, each after writing the time to MARKER_FILE.<stage>; prints the driver's errors
-        as JSON
+  kill: three TP=2 engines; worker 1 of the first kills itself (SIGKILL) while loading its weights, that of the
+        second in its third step, that of the third raises while loading, each after writing the time to
+        MARKER_FILE.<stage>; prints the driver's errors as JSON
 
 The patches below sit at module level: a spawned worker imports this module (as __mp_main__) too, so they act
 there, where the function being patched runs; a worker reads the stage to die in from its environment.
@@ -47,6 +47,10 @@ _calls = [0]
 def _dying_load_weights(*args, **kwargs):
     if _in_worker_dying_at("loading"):
         _kill_myself("loading")
+    if _in_worker_dying_at("raising"):
+        with open(f"{MARKER}.raising", "w") as f:
+            f.write(str(time.time()))
+        raise ValueError("a fault in worker 1's weight loader")
     return _load_weights(*args, **kwargs)
 
 
@@ -68,9 +72,8 @@ def tokens(llm) -> list[list[int]]:
 
 
 def engines() -> None:
-    import torch.distributed as dist
-
     import torch
+    import torch.distributed as dist
 
     from nanovllm import LLM
 
@@ -137,4 +140,4 @@ if __name__ == "__main__":
     if SCENARIO == "engines":
         engines()
     else:
-        print("RESULT=" + json.dumps({stage: killed(stage) for stage in ("loading", "step")}), flush=True)
+        print("RESULT=" + json.dumps({stage: killed(stage) for stage in ("loading", "step", "raising")}), flush=True)

@@ -49,7 +49,8 @@ def test_a_script_without_the_main_guard_fails_fast_naming_it(tiny_qwen3, tmp_pa
 
 @pytest.fixture(scope="module")
 def killed(tiny_qwen3, tmp_path_factory) -> dict:
-    """One subprocess, two engines: worker 1 kills itself while loading weights, then (next engine) in a step."""
+    """One subprocess, three engines: worker 1 kills itself while loading weights, then (next engine) in a step,
+    then (the last) raises while loading."""
     marker = tmp_path_factory.mktemp("killed") / "killed_at"
     result, _ = run_script([os.path.join(HERE, "lifecycle_script.py"), "kill", tiny_qwen3, str(marker)], timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -71,3 +72,12 @@ def test_a_worker_killed_in_a_step_fails_the_step_within_seconds(killed):
     assert "worker 1" in outcome["error"] and "signal 9" in outcome["error"] and "step" in outcome["error"]
     assert outcome["seconds"] < 10
     assert outcome["children"] == [] and not outcome["group"], "no worker and no process group is left"
+
+
+def test_a_worker_that_raises_is_named_with_its_own_error(killed):
+    outcome = killed["raising"]
+    assert not outcome["engine_built"]
+    assert "worker 1" in outcome["error"] and "loading" in outcome["error"]
+    assert "ValueError: a fault in worker 1's weight loader" in outcome["error"], "the worker's own traceback"
+    assert outcome["seconds"] < 10
+    assert outcome["children"] == [] and not outcome["group"]
