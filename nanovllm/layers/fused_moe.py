@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.distributed.state import all_reduce, tp_rank, tp_size
+from nanovllm.distributed.state import current_tensor_parallel
 from nanovllm.kernels.fused_moe_reference import fused_moe_reference
 
 
@@ -54,7 +54,8 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), module_name: str = "mlp"):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp = current_tensor_parallel()  # its engine's: another engine may share this process
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         if intermediate_size % self.tp_size:
             raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by "
                              f"tensor_parallel_size ({self.tp_size}).")
@@ -98,4 +99,4 @@ class FusedExperts(nn.Module):
             out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, config)
         else:
             out = fused_moe_reference(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        return all_reduce(out) if self.tp_size > 1 else out
+        return self.tp.all_reduce(out) if self.tp_size > 1 else out
