@@ -59,6 +59,7 @@ class LLM:
     reset_prefix_cache = _engine_attribute("reset_prefix_cache")
     tokenize_prompt = _engine_attribute("tokenize_prompt")
     validate_request = _engine_attribute("validate_request")
+    check_structured_outputs = _engine_attribute("check_structured_outputs")
     decode = _engine_attribute("decode")
     # what the engine is and holds
     config = _engine_attribute("config")
