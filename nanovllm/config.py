@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from nanovllm.engine.spec_decode.config import SpeculativeConfig
+
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -63,6 +65,9 @@ class EngineConfig:
     # on the CPU also float16 or bfloat16 under a float32 model, or int8 (float32 models with the compiled CPU
     # ops: a scale per token and KV head, 68 bytes a row of 64 instead of 128); on CUDA only the model's dtype
     kv_cache_dtype: str = "auto"
+    # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
+    # "prompt_lookup_min": n}, or its JSON (the CLI); parsed into a SpeculativeConfig; None: off
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -74,6 +79,7 @@ class EngineConfig:
 
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self.is_cuda else 16
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):

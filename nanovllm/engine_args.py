@@ -45,6 +45,9 @@ HELP = {
                       "other than the model's: CPU only (e.g. float16 under a float32 model: twice the tokens in "
                       "the same pool, float16 rounding; int8: float32 models with the compiled CPU ops, a scale "
                       "per token and KV head, 1.9x float16's tokens in the same pool, coarser rounding)",
+    "speculative_config": "speculative decoding as JSON, vLLM's keys: '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' "
+                          "(drafts from the request's own earlier tokens, verified in one step; the same tokens)",
 }
 
 

@@ -251,6 +251,8 @@ class TensorParallelRunner:
         from nanovllm.engine.sampling import temperature_only_rows
         if self.runner.seed_source is None or self.disable_slice_sampling:
             return None
+        if any(s.draft_token_ids for s in seqs):  # a verify step samples several rows of a request: rank 0 does
+            return None
         sampled = seqs if after is not None else [s for s in seqs if needs_sample(s)]
         return temperature_only_rows(sampled, self.runner.seed_source)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,18 +17,27 @@ class StepBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [num_sampled] int64: rows of the hidden states that need logits
+    sample_indices: torch.Tensor  # [num_sample_rows] int64: rows of the hidden states that need logits
     sampled_seq_indices: list[int]  # which sequences of the batch get a token
     is_decode_only: bool
+    # rows of sample_indices per sampled sequence (sampled_seq_indices order): 1, or 1 + its draft tokens
+    sample_counts: list[int] = field(default_factory=list)
 
 
 def needs_sample(seq: Sequence) -> bool:
     """Whether this step reaches the sequence's last token, so it must produce the next one."""
-    return seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
+    return seq.num_cached_tokens + seq.num_scheduled_tokens - len(seq.draft_token_ids) == seq.num_tokens
 
 
 def prepare_batch(seqs: list[Sequence], block_size: int, device: torch.device) -> StepBatch:
-    """Inputs for one step. Sequences come decodes first; a decode's input is its last token.
+    """Inputs for one step. Sequences come decodes first; a decode's input is its last token, then its draft
+    tokens when it verifies some.
+
+    Every token of a decode is a decode row of the attention metadata: it attends to its request's tokens up to
+    itself, with the request's block table. So a verify step of 1 + k tokens runs as 1 + k one-token decodes
+    (the decode kernels and their CUDA graphs, no verify variant); every layer stores the step's K/V before any
+    row reads the cache, so draft j's row sees the K/V of the drafts before it. Every row of a verifying
+    request is sampled.
 
     Everything is computed with numpy over the whole batch, packed into two host buffers (int64 and int32)
     and sent with one non-blocking copy each (from pinned memory on CUDA).
@@ -37,28 +46,43 @@ def prepare_batch(seqs: list[Sequence], block_size: int, device: torch.device) -
     query_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=num_seqs)
     context_lens = np.fromiter((s.num_cached_tokens for s in seqs), dtype=np.int64, count=num_seqs)
     seq_lens = context_lens + query_lens
-    cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=cu_seqlens_q[1:])
-    num_tokens = int(cu_seqlens_q[-1])
+    cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=cu_seqlens[1:])
+    num_tokens = int(cu_seqlens[-1])
 
-    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_seqs
-    # one token each; a one-token prefill chunk may sit here too, and its token need not be the last one
-    decode_ids = np.fromiter((s.token_ids[s.num_cached_tokens] if s.is_prefill else s.last_token
-                              for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes)
+    # the leading decodes; a one-token prefill chunk may sit here too, and its token need not be the last one
+    num_decodes = next((i for i, s in enumerate(seqs) if s.is_prefill and s.num_scheduled_tokens != 1), num_seqs)
+    num_decode_rows = int(cu_seqlens[num_decodes])
+    decode_ids = np.fromiter(itertools.chain.from_iterable(
+        (s.token_ids[s.num_cached_tokens] if s.is_prefill else s.last_token, *s.draft_token_ids)
+        for s in seqs[:num_decodes]), dtype=np.int64, count=num_decode_rows)
     prefill_ids = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]
                    for s in seqs[num_decodes:]]
     input_ids = np.concatenate([decode_ids, *map(np.asarray, prefill_ids)]) if prefill_ids else decode_ids
 
     # position of each token = its request's context length + its index within the request's chunk
     token_seq = np.repeat(np.arange(num_seqs), query_lens)
-    positions = np.arange(num_tokens) - cu_seqlens_q[token_seq] + context_lens[token_seq]
+    positions = np.arange(num_tokens) - cu_seqlens[token_seq] + context_lens[token_seq]
 
     block_tables = _block_tables(seqs)
     slot_mapping = _slots(block_tables, token_seq, positions, block_size)
 
+    # the attention's requests: one per decode row, then the prefill chunks
+    attn_seq = np.concatenate([token_seq[:num_decode_rows], np.arange(num_decodes, num_seqs)])
+    attn_query_lens = np.concatenate([np.ones(num_decode_rows, dtype=np.int64), query_lens[num_decodes:]])
+    attn_seq_lens = np.concatenate([positions[:num_decode_rows] + 1, seq_lens[num_decodes:]])
+    attn_cu = np.zeros(len(attn_seq) + 1, dtype=np.int64)
+    np.cumsum(attn_query_lens, out=attn_cu[1:])
+
     sampled = [i for i, s in enumerate(seqs) if needs_sample(s)]
-    return _pack(input_ids, positions, slot_mapping, cu_seqlens_q, query_lens, seq_lens, block_tables, sampled,
-                 num_decodes, device)
+    counts = np.fromiter((1 + len(seqs[i].draft_token_ids) for i in sampled), dtype=np.int64, count=len(sampled))
+    # each sampled sequence's last `count` rows
+    firsts = cu_seqlens[1:][sampled] - counts
+    sample_rows = np.repeat(firsts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+    batch = _pack(input_ids, positions, slot_mapping, attn_cu, attn_query_lens, attn_seq_lens,
+                  block_tables[attn_seq], sample_rows, sampled, num_decode_rows, device)
+    batch.sample_counts = counts.tolist()
+    return batch
 
 
 def prepare_decode_ahead(seqs: list[Sequence], source_rows: list[int], block_size: int,
@@ -78,8 +102,10 @@ def prepare_decode_ahead(seqs: list[Sequence], source_rows: list[int], block_siz
     block_tables = _block_tables(seqs)
     slot_mapping = _slots(block_tables, np.arange(num_seqs), positions, block_size)
     rows = np.asarray(source_rows, dtype=np.int64)
-    return _pack(rows, positions, slot_mapping, cu_seqlens_q, query_lens, seq_lens, block_tables,
-                 list(range(num_seqs)), num_seqs, device)
+    batch = _pack(rows, positions, slot_mapping, cu_seqlens_q, query_lens, seq_lens, block_tables,
+                  np.arange(num_seqs), list(range(num_seqs)), num_seqs, device)
+    batch.sample_counts = [1] * num_seqs
+    return batch
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:
@@ -97,15 +123,14 @@ def _slots(block_tables: np.ndarray, token_seq: np.ndarray, positions: np.ndarra
 
 
 def _pack(input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, cu_seqlens_q: np.ndarray,
-          query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, sampled: list[int],
-          num_decodes: int, device: torch.device) -> StepBatch:
+          query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, sample_rows: np.ndarray,
+          sampled: list[int], num_decodes: int, device: torch.device) -> StepBatch:
     """The step's arrays as device tensors: two host buffers (int64 and int32), one copy each."""
     num_seqs, num_tokens = len(query_lens), len(input_ids)
-    sample_rows = cu_seqlens_q[1:][sampled] - 1
     longs = _to_device(np.concatenate([input_ids, positions, slot_mapping, sample_rows]), device)
     ints = _to_device(np.concatenate([cu_seqlens_q.astype(np.int32), seq_lens.astype(np.int32),
                                       block_tables.ravel()]), device)
-    input_ids_t, positions_t, slots_t, sample_t = longs.split([num_tokens, num_tokens, num_tokens, len(sampled)])
+    input_ids_t, positions_t, slots_t, sample_t = longs.split([num_tokens, num_tokens, num_tokens, len(sample_rows)])
     cu_t, seq_lens_t, tables_t = ints.split([num_seqs + 1, num_seqs, block_tables.size])
 
     meta = AttentionMetadata(

@@ -186,6 +186,18 @@ class BlockManager:
         while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take_free_block())
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back seq's blocks past its tokens: those reserved for draft tokens a verify step rejected. They
+        were taken for this step and never published (only verified blocks are), so they hold nothing to share
+        and go first in the free list."""
+        while len(seq.block_table) > seq.num_blocks:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash == NO_HASH
+            block.ref_count = 0
+            self.used_block_ids.remove(block.block_id)
+            self.free_block_ids[block.block_id] = None
+            self.free_block_ids.move_to_end(block.block_id, last=False)
+
     # -- prefix cache ---------------------------------------------------------------------------------------
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
         """Publish seq's full blocks among its first ``num_tokens`` tokens, so later requests can hit them;

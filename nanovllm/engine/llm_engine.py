@@ -98,6 +98,7 @@ class LLMEngine:
             kvcache_block_size=config.kvcache_block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+            speculative=config.speculative_config,
         ), self.eos_token_ids)
         self.closed = False
         self.requests: dict[str, RequestState] = {}
@@ -264,6 +265,7 @@ class LLMEngine:
                         "min_tokens or other bans conflict with it)."), state.samples[seq.index])
             elif seq.grammar.is_terminated and not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and forget it; False if it is unknown or had already finished."""
         state = self.requests.pop(request_id, None)
@@ -326,7 +328,7 @@ class LLMEngine:
                 raise
         seqs = current.seqs
         prefill = sum(s.num_scheduled_tokens for s in seqs if s.is_prefill)
-        decode = sum(1 for s in seqs if not s.is_prefill)
+        decoding = [not s.is_prefill for s in seqs]
         try:
             if self.async_scheduling:
                 # plan and launch the next step before reading this one's tokens: the device never waits for the
@@ -345,6 +347,8 @@ class LLMEngine:
             output.prompt_logprobs.pop(i, None)
         self.scheduler.postprocess(seqs, output.token_ids)
         self._advance_grammars(seqs, output.token_ids)
+        decode = sum(len(t) if isinstance(t, list) else 1
+                     for t, d in zip(output.token_ids, decoding, strict=True) if d and t is not None)
         self._record(seqs, output)
         if self._in_flight is not None:
             for seq in self._in_flight.seqs:
@@ -389,11 +393,15 @@ class LLMEngine:
                 continue
             sample = state.samples[seq.index]
             try:
-                if sample.logprobs is not None and logprobs is not None:
-                    sample.logprobs.append(self._logprob_dict(logprobs))
-                    sample.cumulative_logprob += logprobs.logprob
-                if state.params.stop:
+                num_new = len(token_id) if isinstance(token_id, list) else 1  # a verify step's kept tokens
+                if state.params.stop and num_new > 1:
+                    num_new = self._update_text_stepwise(sample, num_new)
+                elif state.params.stop:
                     self._update_text(sample)  # stop strings are checked every step; other text waits for make_output
+                if sample.logprobs is not None and logprobs is not None:
+                    for entry in (logprobs if isinstance(logprobs, list) else [logprobs])[:num_new]:
+                        sample.logprobs.append(self._logprob_dict(entry))
+                        sample.cumulative_logprob += entry.logprob
             except Exception as e:
                 self._fail_request(state, e, sample)
                 continue
@@ -421,6 +429,26 @@ class LLMEngine:
                 self.scheduler.finish(seq, "error")  # frees its blocks; a sample not queued yet holds none
             elif other is sample:
                 seq.finish_reason, seq.stop_reason = "error", None
+
+    def _update_text_stepwise(self, sample: SampleState, num_new: int) -> int:
+        """``_update_text`` for a step that appended several tokens (speculative decoding): they go to the
+        detokenizer one at a time, so a stop string ends the sample at the token that completed it, as in plain
+        decoding, and the tokens after that one are dropped. Returns how many of the new tokens are kept."""
+        seq, detokenizer = sample.seq, sample.detokenizer
+        first = seq.num_tokens - num_new
+        for end in range(first + 1, seq.num_tokens):  # the last new token goes through _update_text
+            done = seq.num_prompt_tokens + detokenizer.num_tokens
+            stop = detokenizer.update(seq.token_ids[done:end]) if done < end else None
+            if stop is not None:
+                if seq.is_finished:  # by the last new token, which is dropped now
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(seq, "stop", stop)
+                seq.truncate(end)
+                detokenizer.finish()
+                return end - first
+        self._update_text(sample)
+        return num_new
 
     def _update_text(self, sample: SampleState) -> None:
         """Feed the sample's new tokens to its detokenizer; a stop string ends the sample with reason "stop"."""

@@ -21,6 +21,7 @@ from nanovllm.engine.sampling import (
     wants_prompt_logprobs,
 )
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.spec_decode.acceptance import accepted_tokens
 from nanovllm.kernels import cpu_ops
 from nanovllm.layers.cpu import pack_model_for_cpu
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
@@ -209,7 +210,7 @@ class ModelRunner:
             batch = prepare_decode_ahead(seqs, source_rows, self.block_size, self.device)
             batch.input_ids = after.token_ids.index_select(0, batch.input_ids)
             prompt_logprob_seqs = []  # decodes only; the sequences' step fields still describe the step before
-        if self.graphs is not None and batch.is_decode_only and self.graphs.fits(len(seqs)):
+        if self.graphs is not None and batch.is_decode_only and self.graphs.fits(batch.meta.num_seqs):
             hidden = self.graphs.replay(batch)
         else:
             hidden = self._forward(batch)
@@ -243,8 +244,13 @@ class ModelRunner:
         if not batch.sampled_seq_indices:
             return handle
         if logits is not None:
-            sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices]
-            params = build_sampling_tensors(sampled_seqs, logits.shape[-1], self.device, self.seed_source)
+            # a verifying request has a row per token: row j samples after its first j draft tokens
+            row_seqs, drafted = [], []
+            for i, count in zip(batch.sampled_seq_indices, batch.sample_counts, strict=True):
+                row_seqs += [seqs[i]] * count
+                drafted += [seqs[i].draft_token_ids[:j] for j in range(count)]
+            params = build_sampling_tensors(row_seqs, logits.shape[-1], self.device, self.seed_source,
+                                            drafted if len(row_seqs) > len(batch.sampled_seq_indices) else None)
             result = self.sampler(logits, params, self.generator)
             handle.token_ids = result.token_ids
             handle.fetch(result)
@@ -313,13 +319,42 @@ class StepHandle:
         if self._done is not None:
             self._done.synchronize()
         token_ids = self._host[0].tolist()
-        for i, token in zip(batch.sampled_seq_indices, token_ids, strict=True):
-            output.token_ids[i] = token
+        if len(token_ids) == len(batch.sampled_seq_indices):  # one row each: no request verified a draft
+            for i, token in zip(batch.sampled_seq_indices, token_ids, strict=True):
+                output.token_ids[i] = token
+            row_counts = None
+        else:
+            row_counts = batch.sample_counts
+            first = 0
+            for i, count in zip(batch.sampled_seq_indices, row_counts, strict=True):
+                draft = seqs[i].draft_token_ids
+                rows = token_ids[first:first + count]
+                output.token_ids[i] = accepted_tokens(draft, rows) if draft else rows[0]
+                first += count
         if self._logprobs is not None:
-            sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices]
-            rows = [j for j, s in enumerate(sampled_seqs) if s.sampling_params.logprobs is not None]
-            entries = logprob_entries(SampledLogprobs(*self._host[1:]), [token_ids[j] for j in rows],
-                                      [sampled_seqs[j].sampling_params.logprobs for j in rows])
-            for j, entry in zip(rows, entries, strict=True):
-                output.logprobs[batch.sampled_seq_indices[j]] = entry
+            self._add_logprobs(output, token_ids, row_counts)
         return output
+
+    def _add_logprobs(self, output: RunnerOutput, token_ids: list[int], row_counts: list[int] | None) -> None:
+        """Logprobs of the sampled tokens, for the requests that want them; a verifying request's for each token
+        it keeps (a list)."""
+        seqs, batch = self.seqs, self.batch
+        counts = row_counts or [1] * len(batch.sampled_seq_indices)
+        row_seq, row_firsts, first = [], [], 0  # per sample row: its sequence, and that sequence's first row
+        for i, count in zip(batch.sampled_seq_indices, counts, strict=True):
+            row_seq += [i] * count
+            row_firsts += [first] * count
+            first += count
+        rows = [r for r, i in enumerate(row_seq) if seqs[i].sampling_params.logprobs is not None]
+        entries = logprob_entries(SampledLogprobs(*self._host[1:]), [token_ids[r] for r in rows],
+                                  [seqs[row_seq[r]].sampling_params.logprobs for r in rows])
+        for r, entry in zip(rows, entries, strict=True):
+            i = row_seq[r]
+            if row_counts is None or not seqs[i].draft_token_ids:
+                output.logprobs[i] = entry
+                continue
+            kept = output.token_ids[i]
+            if r - row_firsts[r] < len(kept):
+                if output.logprobs[i] is None:
+                    output.logprobs[i] = []
+                output.logprobs[i].append(entry)

@@ -98,10 +98,11 @@ def _is_greedy(p) -> bool:
     return p.temperature < SAMPLING_EPS or p.top_k == 1
 
 
-def _bans_stop_tokens(seq: Sequence) -> bool:
-    """min_tokens not yet reached: EOS and the stop ids may not be sampled this step."""
+def _bans_stop_tokens(seq: Sequence, num_drafted: int = 0) -> bool:
+    """min_tokens not yet reached: EOS and the stop ids may not be sampled this step (at a row after
+    ``num_drafted`` draft tokens, which then count as generated)."""
     p = seq.sampling_params
-    return bool(p.min_tokens) and seq.num_completion_tokens < p.min_tokens
+    return bool(p.min_tokens) and seq.num_completion_tokens + num_drafted < p.min_tokens
 
 
 def row_seed_source(seq: Sequence) -> np.random.Generator:
@@ -112,8 +113,12 @@ def row_seed_source(seq: Sequence) -> np.random.Generator:
 
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device,
-                           seed_source: np.random.Generator | None = None) -> SamplingTensors:
+                           seed_source: np.random.Generator | None = None,
+                           drafted: list[list[int]] | None = None) -> SamplingTensors:
     """Per-row settings of the sequences that get a token this step (row i = seqs[i]); one pass over them.
+
+    drafted: speculative decoding's verify rows: a sequence may fill several rows, row i sampling after the
+    draft tokens ``drafted[i]``, which its penalties and min_tokens count as generated ones.
 
     seed_source: draw each sampled row's noise inside the sampling kernel from a per-step seed (CUDA): unseeded
     rows take their seeds from it, seeded requests from their own host generator. None: noise from torch
@@ -140,7 +145,7 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
             max_top_k = max(max_top_k, p.top_k)
             if p.seed is not None:
                 generators[i] = row_seed_source(seq) if seed_source is not None else request_generator(seq, device)
-        if _bans_stop_tokens(seq):
+        if _bans_stop_tokens(seq, len(drafted[i]) if drafted else 0):
             banned.extend((i, t) for t in seq.min_tokens_stop_ids)
         if p.masks_logits:
             if p.logit_bias:
@@ -190,9 +195,11 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
         tensors.penalty_rows = _to_device(np.array(penalised, dtype=np.int64), device)
         tensors.presence_penalties, tensors.frequency_penalties, tensors.repetition_penalties = penalties
         arrays = [token_array(seqs[i]) for i in penalised]
-        tensors.output_counts = _token_counts([a[seqs[i].num_prompt_tokens:] for i, a in zip(penalised, arrays,
-                                                                                               strict=True)],
-                                              vocab_size, device)
+        outputs = [a[seqs[i].num_prompt_tokens:] for i, a in zip(penalised, arrays, strict=True)]
+        if drafted:
+            outputs = [np.concatenate([a, np.asarray(drafted[i], dtype=np.int64)])
+                       for i, a in zip(penalised, outputs, strict=True)]
+        tensors.output_counts = _token_counts(outputs, vocab_size, device)
         if any(p.repetition_penalty != 1.0 for p in params):
             prompts = [a[:seqs[i].num_prompt_tokens] for i, a in zip(penalised, arrays, strict=True)]
             tensors.prompt_mask = _token_counts(prompts, vocab_size, device) > 0

@@ -7,6 +7,10 @@ chunk of its prompt if the whole prompt does not fit. The full blocks a prefill 
 prefix cache as soon as it is scheduled, so requests admitted after it in the same step share them (64 requests
 with one system prompt compute it once). When the KV pool runs dry, the newest running request
 is preempted: it gives its blocks back and returns to the front of the queue, to be recomputed later.
+
+With speculative decoding a running request may verify draft tokens too: it computes 1 + len(draft) tokens,
+taking budget and free blocks only from what the other running requests' plain decodes leave (drafts never
+preempt anyone), and after the step it keeps the accepted ones; the slots of rejected ones are given back.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.spec_decode.config import SpeculativeConfig
+from nanovllm.engine.spec_decode.metrics import SpecDecodeStats
+from nanovllm.engine.spec_decode.proposer import NgramProposer
 
 
 @dataclass
@@ -29,6 +36,7 @@ class SchedulerConfig:
     kvcache_block_size: int
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "xxh64"
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -47,6 +55,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.stats = SchedulerStats()
+        self.spec_stats = SpecDecodeStats()
+        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         # blocks published when the step in flight was scheduled, before their K/V exists (see undo_step)
         self._published: list[tuple[int, int]] = []
 
@@ -99,8 +109,9 @@ class Scheduler:
                     break
             else:
                 self.block_manager.may_append(seq)
-                seq.num_scheduled_tokens = 1
-                budget -= 1
+                self._propose(seq, budget - 1, others=len(self.running) - i - 1)
+                seq.num_scheduled_tokens = 1 + len(seq.draft_token_ids)
+                budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
                 i += 1
                 continue
@@ -131,6 +142,27 @@ class Scheduler:
                 self.running.append(seq)
         return scheduled
 
+    def _propose(self, seq: Sequence, budget: int, others: int) -> None:
+        """Set seq's draft tokens for this step (none without speculation, or when none fits or pays).
+
+        budget: tokens left after seq's own; others: running requests after seq in this step, each of which may
+        still need a token of budget and a free block.
+        """
+        seq.draft_token_ids = []
+        # a grammar's mask of a draft row would need the grammar advanced through the drafts before it
+        if self.proposer is None or seq.grammar is not None:
+            return
+        limit = min(budget - others, self.config.max_model_len - seq.num_tokens - 1)
+        if seq.max_tokens is not None:
+            limit = min(limit, seq.max_tokens - seq.num_completion_tokens - 1)  # the model's own token counts too
+        drafts = self.proposer.propose(seq, limit)
+        if not drafts:
+            return
+        spare_blocks = max(self.block_manager.num_free_blocks - others, 0)
+        room = (len(seq.block_table) + spare_blocks) * self.config.kvcache_block_size - seq.num_tokens
+        seq.draft_token_ids = drafts[:room]
+        self.block_manager.reserve_slots(seq, seq.num_tokens + len(seq.draft_token_ids))
+
     def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence]:
         """The next step planned while ``in_flight`` (the step just launched) still runs; [] if it cannot be.
 
@@ -144,6 +176,9 @@ class Scheduler:
         """
         if self.waiting or not self.running or len(self.running) > self.config.max_num_batched_tokens:
             return []
+        if self.proposer is not None and (any(s.draft_token_ids for s in in_flight)
+                                          or any(self.proposer.may_propose(s) for s in self.running)):
+            return []  # a draft's accepted length, or the next one, needs the tokens in flight
         sampled = {id(s) for s in in_flight if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens}
         block_size = self.config.kvcache_block_size
         seqs, new_blocks = [], 0
@@ -162,6 +197,8 @@ class Scheduler:
             return []
         for seq in seqs:
             self.block_manager.reserve_slots(seq, seq.num_tokens + 1)
+            if self.proposer is not None:
+                self.proposer.pass_step(seq)
         return seqs
 
     @contextmanager
@@ -185,6 +222,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.is_prefill = True
         seq.num_scheduled_tokens = 0
+        seq.draft_token_ids = []
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
@@ -201,34 +239,56 @@ class Scheduler:
         self.block_manager.unpublish(self._published)
         self._published = []
         for seq in reversed(seqs):
+            if seq.draft_token_ids and not seq.is_finished:
+                seq.draft_token_ids = []
+                self.block_manager.trim(seq)
             if seq.is_finished or not seq.is_prefill:
                 continue
             self._dequeue(seq)
             self._requeue(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int | list[int] | None]) -> list[Sequence]:
         """Record the step: advance progress, append sampled tokens, finish requests. Returns the finished.
 
-        token_ids[i] is None for a sequence that only computed a chunk of its prompt (nothing sampled).
+        token_ids[i] is None for a sequence that only computed a chunk of its prompt (nothing sampled), and a
+        list for one that verified draft tokens: its accepted drafts and then the model's next token. Tokens are
+        appended one by one, each checked for a stop; a list is cut in place to the tokens kept.
         """
         self._published = []  # their K/V is written now
         finished = []
         for seq, token_id in zip(seqs, token_ids, strict=True):
+            num_drafts = len(seq.draft_token_ids)
+            seq.draft_token_ids = []
             if seq.is_finished:
                 continue  # ended while the step ran (aborted, or stopped by the step before)
             if seq.is_prefill:
                 self.stats.num_prompt_tokens_computed += seq.num_scheduled_tokens
             else:
                 self.stats.num_decode_tokens_computed += seq.num_scheduled_tokens
-            seq.num_cached_tokens += seq.num_scheduled_tokens
+            # a draft's K/V counts once the draft is accepted (below)
+            seq.num_cached_tokens += seq.num_scheduled_tokens - num_drafts
             seq.num_scheduled_tokens = 0
-            self.block_manager.cache_computed_blocks(seq)
             if token_id is None:
+                self.block_manager.cache_computed_blocks(seq)
                 continue
             assert seq.num_cached_tokens == seq.num_tokens
             seq.is_prefill = False
-            seq.append_token(token_id)
-            stop = self.check_stop(seq, token_id)
+            new_tokens = token_id if isinstance(token_id, list) else [token_id]
+            if num_drafts:
+                self.spec_stats.observe(num_drafts, len(new_tokens) - 1)
+                self.proposer.observe(seq, len(new_tokens) - 1)
+            stop = None
+            for kept, token in enumerate(new_tokens, start=1):
+                if kept > 1:
+                    seq.num_cached_tokens += 1  # the token before is an accepted draft: its K/V is verified
+                seq.append_token(token)
+                stop = self.check_stop(seq, token)
+                if stop is not None:
+                    del new_tokens[kept:]
+                    break
+            self.block_manager.cache_computed_blocks(seq)
+            if num_drafts:
+                self.block_manager.trim(seq)  # the slots of rejected drafts
             if stop is not None:
                 self.running.remove(seq)
                 self._finish(seq, *stop)

@@ -63,6 +63,10 @@ class Sequence:
         self.token_array_cache = None  # (numpy buffer, filled) of token_ids, for penalties (engine/sampling.py)
         self.grammar = None  # RequestGrammar of a structured-outputs request (nanovllm/structured_outputs)
         self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # bad_words as token ids (engine/sampling.py)
+        # Speculative decoding: the draft tokens this step verifies after last_token (the scheduler sets them;
+        # they are not in token_ids until accepted), and the request's proposal history (engine/spec_decode).
+        self.draft_token_ids: list[int] = []
+        self.spec_state = None
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -106,15 +110,24 @@ class Sequence:
         self.last_token = token_id
         self.num_tokens += 1
 
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the tokens after the first ``num_tokens`` (a finished request whose last step produced several
+        tokens, when a stop string ended it before the last of them)."""
+        assert self.num_prompt_tokens < num_tokens <= self.num_tokens
+        del self.token_ids[num_tokens:]
+        self.num_tokens = num_tokens
+        self.last_token = self.token_ids[-1]
+
     def __getstate__(self):
-        # What a tensor-parallel worker needs for one step: prefill needs the token list, decode only the last token.
+        # What a tensor-parallel worker needs for one step: prefill needs the token list, decode only the last token
+        # (and the step's draft tokens).
         last_state = self.last_token if not self.is_prefill else self.token_ids
         return (self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
-                self.block_table, last_state, self.block_size)
+                self.block_table, self.draft_token_ids, last_state, self.block_size)
 
     def __setstate__(self, state):
         (self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
-         self.block_table, last_state, self.block_size) = state
+         self.block_table, self.draft_token_ids, last_state, self.block_size) = state
         if isinstance(last_state, list):
             self.token_ids = last_state
             self.last_token = self.token_ids[-1]
