@@ -120,7 +120,11 @@ class LLM:
                         prefill_rate = stats.prefill_tokens / stats.seconds
                     if stats.decode_tokens and not stats.prefill_tokens:
                         decode_rate = stats.decode_tokens / stats.seconds
-                    bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s")
+                    postfix = f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s"
+                    spec = self.scheduler.spec_stats
+                    if spec.num_drafts:
+                        postfix += f", accept len {spec.mean_acceptance_length:.2f}"
+                    bar.set_postfix_str(postfix)
         finally:
             bar.close()
             for request_id in pending:  # interrupted: leave no request behind holding blocks

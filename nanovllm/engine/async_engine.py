@@ -72,6 +72,11 @@ class IterationStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
+    # speculative decoding (engine/spec_decode/metrics.py): verify steps, draft tokens, accepted ones (by position)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     time_to_first_token: list[float] = field(default_factory=list)
     inter_token_latency: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
@@ -189,6 +194,7 @@ class AsyncLLM:
         self.draining = False  # set by stop_admissions(): in-flight requests finish, new ones are refused
         self._requests: dict[str, _RequestState] = {}  # engine-thread side only
         self._counters = self._read_counters()
+        self._spec_counters: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
         self._thread.start()
 
@@ -438,10 +444,18 @@ class AsyncLLM:
         preemptions, queries, hits = self._read_counters()
         before = self._counters
         self._counters = (preemptions, queries, hits)
+        spec, spec_before = scheduler.spec_stats, self._spec_counters
+        per_position = list(spec.accepted_per_position)
+        self._spec_counters = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, per_position)
+        per_position_before = spec_before[3] + [0] * (len(per_position) - len(spec_before[3]))
         stats = dataclasses.replace(
             stats, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_cache_usage=scheduler.block_manager.usage, num_preemptions=preemptions - before[0],
-            prefix_cache_queries=queries - before[1], prefix_cache_hits=hits - before[2])
+            prefix_cache_queries=queries - before[1], prefix_cache_hits=hits - before[2],
+            spec_num_drafts=spec.num_drafts - spec_before[0],
+            spec_num_draft_tokens=spec.num_draft_tokens - spec_before[1],
+            spec_num_accepted_tokens=spec.num_accepted_tokens - spec_before[2],
+            spec_accepted_per_position=[a - b for a, b in zip(per_position, per_position_before, strict=True)])
         for listener in self.stats_listeners:
             try:
                 listener(stats)

@@ -50,6 +50,18 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted (KV cache full) to be recomputed.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verify steps of a request.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: draft tokens accepted.")
+        self._spec_accepted_per_position = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the draft (0 = first).",
+            labels + ["position"], registry=registry)
+        self.spec_mean_acceptance_length = gauge(
+            "spec_decode_mean_acceptance_length",
+            "Speculative decoding: tokens a verify step produced on average (1 + accepted / drafts) since start.")
+        self._spec_totals = [0, 0]  # drafts, accepted tokens
         self._finished = Counter(PREFIX + "request_success", "Finished requests, by finish reason "
                                  "(abort: cancelled, e.g. the client disconnected; error: "
                                  "a fault while processing that request).",
@@ -72,6 +84,16 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.spec_drafts.inc(stats.spec_num_drafts)
+        self.spec_draft_tokens.inc(stats.spec_num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+        for position, accepted in enumerate(stats.spec_accepted_per_position):
+            if accepted:
+                self._spec_accepted_per_position.labels(self.model_name, str(position)).inc(accepted)
+        if stats.spec_num_drafts:
+            self._spec_totals[0] += stats.spec_num_drafts
+            self._spec_totals[1] += stats.spec_num_accepted_tokens
+            self.spec_mean_acceptance_length.set(1 + self._spec_totals[1] / self._spec_totals[0])
         for t in stats.time_to_first_token:
             self.time_to_first_token.observe(t)
         for t in stats.inter_token_latency:

@@ -100,3 +100,21 @@ def test_torchrun_launch_equals_single_process(tiny_qwen3):
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("TOKENS="))
     assert json.loads(line[len("TOKENS="):]) == expected
+
+
+def test_tp2_with_speculative_decoding_equals_tp1(tiny_qwen3):
+    """Verify steps across ranks: workers get each request's draft tokens with the step; greedy tokens equal
+    one process without speculation."""
+    g = torch.Generator().manual_seed(5)
+    passage = torch.randint(3, 380, (30,), generator=g).tolist()
+    requests = [passage + passage[:12], prompts()[1]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=64)
+    expected = [o.token_ids for o in LLM(tiny_qwen3, **kwargs).generate(requests, params, use_tqdm=False)]
+    llm = LLM(tiny_qwen3, tensor_parallel_size=2, speculative_config={"method": "ngram", "prompt_lookup_min": 1},
+              **kwargs)
+    try:
+        assert [o.token_ids for o in llm.generate(requests, params, use_tqdm=False)] == expected
+        assert llm.scheduler.spec_stats.num_accepted_tokens > 0
+    finally:
+        llm.close()

@@ -133,3 +133,20 @@ def test_logprobs_and_seeded_sampling(tiny_qwen3, plain):
     again = [o.outputs for o in llm.generate(PROMPTS[:3] + PROMPTS[3:], seeded, use_tqdm=False)[:3]]
     assert [[c.token_ids for c in o] for o in first] == [[c.token_ids for c in o] for o in again]
     llm.scheduler.block_manager.check_invariants()
+
+
+def test_async_scheduling_plans_ahead_only_while_no_request_speculates(tiny_qwen3, plain):
+    llm = spec_llm(tiny_qwen3, async_scheduling=True)
+    ahead = []
+    original = llm.scheduler.schedule_ahead
+
+    def spy(in_flight):
+        seqs = original(in_flight)
+        assert not seqs or not any(s.draft_token_ids for s in in_flight)
+        ahead.append(bool(seqs))
+        return seqs
+
+    llm.scheduler.schedule_ahead = spy
+    assert generate(llm) == plain["batched"]
+    check_speculated(llm)
+    assert llm._in_flight is None or all(s.is_finished for s in llm._in_flight.seqs)
