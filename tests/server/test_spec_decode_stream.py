@@ -53,3 +53,27 @@ def test_streams_match_plain_decoding_and_report_speculation(chat_model):
     assert 'nanovllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
     mean = 1 + accepted / drafts
     assert f'nanovllm:spec_decode_mean_acceptance_length{{model_name="tiny"}} {mean}' in text
+
+
+def test_stop_strings_end_a_verify_step_at_the_token_that_completes_them(chat_model):
+    plain = LLM(chat_model, kvcache_block_size=16, num_kvcache_blocks=128)
+    spec = LLM(chat_model, kvcache_block_size=16, num_kvcache_blocks=128, speculative_config=SPEC)
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    full = [o.outputs[0] for o in plain.generate(PROMPTS, base, use_tqdm=False)]
+    checked = 0
+    for prompt, out in zip(PROMPTS, full, strict=True):
+        text = out.text
+        for include, at in ((False, len(text) // 3), (True, 2 * len(text) // 3)):
+            stop = text[at:at + 3]
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1, stop=[stop],
+                                    include_stop_str_in_output=include)
+            ours = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            theirs = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            assert (ours.text, ours.token_ids, ours.finish_reason, ours.stop_reason) == \
+                   (theirs.text, theirs.token_ids, theirs.finish_reason, theirs.stop_reason)
+            assert len(ours.logprobs) == len(ours.token_ids)
+            checked += theirs.finish_reason == "stop"
+    assert checked >= 3
+    assert spec.scheduler.spec_stats.num_accepted_tokens > 0
+    spec.scheduler.block_manager.check_invariants()
+    assert spec.scheduler.block_manager.num_free_blocks == spec.scheduler.block_manager.num_blocks
