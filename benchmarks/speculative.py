@@ -89,7 +89,7 @@ def run_requests(args) -> dict:
         stats = speculative.scheduler.spec_stats
         before = (stats.num_drafts, stats.num_accepted_tokens)
         for rep in range(args.repeats):
-            for i, conversation in enumerate(conversations(kind)):
+            for i, conversation in enumerate(conversations(kind)[:args.num_requests]):
                 # alternate which engine goes first: a slow stretch of the shared machine hits both alike
                 order = [("plain", plain), ("spec", speculative)]
                 if (i + rep) % 2:
@@ -101,6 +101,9 @@ def run_requests(args) -> dict:
                 row["num_tokens"] = len(row.pop("plain_tokens"))
                 row.pop("spec_tokens")
                 rows.append(row)
+                print(f"  {kind} request {i}: {row['num_tokens']} tokens, plain {row['plain_seconds']:.2f} s, "
+                      f"spec {row['spec_seconds']:.2f} s ({row['plain_seconds'] / row['spec_seconds']:.2f}x), "
+                      f"same tokens {row['same_tokens']}", flush=True)
         drafts = stats.num_drafts - before[0]
         accepted = stats.num_accepted_tokens - before[1]
         tokens = sum(r["num_tokens"] for r in rows)
@@ -132,7 +135,7 @@ def run_step(args) -> dict:
 
     from nanovllm.engine.sequence import Sequence
 
-    llm = LLM(args.model or QWEN3_SHAPE, load_format="dummy", device=args.device, max_model_len=4096,
+    llm = LLM(args.model or QWEN3_SHAPE, load_format="dummy", device=args.device, max_model_len=args.context + 64,
               enforce_eager=args.enforce_eager, async_scheduling=False)
     runner, bm = llm.runner, llm.scheduler.block_manager
     seq = Sequence(list(range(100, 100 + args.context)))
@@ -182,6 +185,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["copy", "free"], choices=("copy", "free"))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--num-requests", type=int, default=None, help="requests of each kind (default: all)")
     parser.add_argument("--context", type=int, default=512, help="step mode: tokens before the step")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
