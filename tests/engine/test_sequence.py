@@ -53,6 +53,6 @@ def test_pickle_ships_tokens_only_in_prefill():
     seq.append_token(42)
     seq.is_prefill = False
     state = seq.__getstate__()
-    assert state[5] == 42, "decode ships only the last token"
+    assert state[6] == 42, "decode ships only the last token (after the step's draft tokens)"
     copy = pickle.loads(pickle.dumps(seq))
     assert copy.token_ids == [] and copy.last_token == 42 and not copy.is_prefill and copy.num_tokens == 11

@@ -149,4 +149,4 @@ def test_async_scheduling_plans_ahead_only_while_no_request_speculates(tiny_qwen
     llm.scheduler.schedule_ahead = spy
     assert generate(llm) == plain["batched"]
     check_speculated(llm)
-    assert llm._in_flight is None or all(s.is_finished for s in llm._in_flight.seqs)
+    assert llm.llm_engine._in_flight is None or all(s.is_finished for s in llm.llm_engine._in_flight.seqs)
