@@ -40,8 +40,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # the prefix cache's block hash: xxh64 (fast) or sha256; a hit is exact with either (engine/block_manager.py)
     prefix_caching_hash_algo: str = "xxh64"
-    # auto: bfloat16 on CUDA; on the CPU float32 under cpu_int8, cpu_fp16 or an int8 KV cache, else bfloat16 where
-    # the CPU has native bf16 matmuls, else float32
+    # auto: bfloat16 on CUDA; on the CPU float32 activations, and the linear layers on 4/8-bit weight blocks where
+    # the compiled ops have AVX2 or AVX512-VNNI (cpu_linear "blocks"); else bfloat16 where the CPU has native bf16
+    # matmuls, else float32. An explicit float32 (or bfloat16) computes in it with float weights
     dtype: str = "auto"
     device: str | None = None  # "cuda" when available, else "cpu"
     seed: int = 0
@@ -56,12 +57,13 @@ class EngineConfig:
     # deprecated: the same as cpu_fp16 (it once meant float16 copies for steps of 1-2 tokens only)
     cpu_fp16_decode: bool = False
     # CPU, float32 models: int8 weights and int8 activations (a scale per 32 values, or per row in fbgemm's
-    # steps) for the linear layers and the LM head (layers/cpu.py)
+    # steps) for the linear layers and the LM head (platforms/cpu/linear.py)
     cpu_int8: bool = False
-    # CPU, float32 models: float16 weights (fbgemm) for every linear layer and the LM head (layers/cpu.py)
+    # CPU, float32 models: float16 weights (fbgemm) for every linear layer and the LM head (platforms/cpu/linear.py)
     cpu_fp16: bool = False
-    # the KV cache's dtype: auto = the model's, but float16 under cpu_int8 (whose int8 rounding is far coarser:
-    # half the bytes a token read each step, twice the tokens in a pool; 3-7 % more tokens/s at 64 requests);
+    # the KV cache's dtype: auto = the model's, but float16 under cpu_int8 and the CPU's 4/8-bit blocks (whose
+    # rounding is far coarser: half the bytes a token read each step, twice the tokens in a pool; 3-7 % more
+    # tokens/s at 64 requests);
     # on the CPU also float16 or bfloat16 under a float32 model, or int8 (float32 models with the compiled CPU
     # ops: a scale per token and KV head, 68 bytes a row of 64 instead of 128); on CUDA only the model's dtype
     kv_cache_dtype: str = "auto"
@@ -80,6 +82,9 @@ class EngineConfig:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        from nanovllm.platforms.cpu.settings import NO_CPU, CpuSettings
+        # the machine's and the environment's CPU choices, read once (not a field: no engine argument)
+        self.cpu = NO_CPU if self.device.startswith("cuda") else CpuSettings.detect()
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self.is_cuda else 16
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
@@ -148,15 +153,35 @@ class EngineConfig:
             # the int8 and float16 weight paths and the int8 KV cache compute in float32: asking for one asks for it
             if self.cpu_int8 or self.cpu_fp16 or self.kv_cache_dtype == "int8":  # (cpu_fp16_decode set cpu_fp16)
                 return torch.float32
-            from nanovllm.layers.cpu import default_cpu_dtype
+            if self.cpu.forced_dtype is not None:
+                return self.cpu.forced_dtype
+            if self.cpu.blocks:
+                return torch.float32  # activations; the weights in blocks (cpu_linear)
+            from nanovllm.platforms.cpu.settings import default_cpu_dtype
             return default_cpu_dtype()
         return DTYPES[self.dtype]
+
+    @property
+    def cpu_linear(self) -> str:
+        """How the CPU's linear layers multiply (platforms/cpu/settings.CPU_LINEAR_METHODS): int8 or fp16 where asked,
+        the 4/8-bit blocks by default (dtype auto, NANOVLLM_CPU_DTYPE unset, kernels with SIMD), else the float
+        weights (oneDNN-packed with NANOVLLM_CPU_PACK=1)."""
+        if self.is_cuda:
+            return "float"
+        if self.torch_dtype == torch.float32:
+            if self.cpu_int8:
+                return "int8"
+            if self.cpu_fp16:
+                return "fp16"
+            if self.dtype == "auto" and self.cpu.forced_dtype is None and self.cpu.blocks:
+                return "blocks"
+        return "packed" if self.cpu.pack else "float"
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         if self.kv_cache_dtype != "auto":
             return KV_CACHE_DTYPES[self.kv_cache_dtype]
-        if self.cpu_int8 and not self.is_cuda and self.torch_dtype == torch.float32:
+        if self.cpu_linear in ("int8", "blocks"):
             return torch.float16
         return self.torch_dtype
 

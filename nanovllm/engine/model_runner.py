@@ -23,10 +23,10 @@ from nanovllm.engine.sampling import (
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.acceptance import accepted_tokens
 from nanovllm.kernels import cpu_ops
-from nanovllm.layers.cpu import pack_model_for_cpu
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
+from nanovllm.platforms.cpu.linear import prepare_model
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class ModelRunner:
         load_weights(self.model, checkpoint_tensors(self.model, model_path, config, self.device),
                      source=model_path if config.load_format != "dummy" else "dummy weights")
         if self.device.type == "cpu":
-            # the CPU's matmuls are most of its time: packed, float16 or int8 weights where asked (layers/cpu.py)
-            pack_model_for_cpu(self.model, int8=config.cpu_int8, fp16=config.cpu_fp16)
+            # the CPU's matmuls are most of its time: each layer's linear method, chosen once (platforms/cpu/linear.py)
+            prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles)
 
         self.backend = make_attention_backend(config)
         self.sampler = Sampler()

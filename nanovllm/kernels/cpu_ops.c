@@ -767,3 +767,285 @@ void linear_i8_tiles_f32(const float *x, const float *row_scale, const int8_t *w
   free(xq);
   free(xs);
 }
+
+/* ---- products on 4- and 8-bit weight blocks (GGUF's Q4_0 / Q4_1 / Q8_0 numbers) -------------------------
+   y[r, c] = sum_b xs[r, b] * (d[c, b] * sum_{i in b} q[c, i] * xq[r, i] + m[c, b] * sum_{i in b} xq[r, i]):
+   weights in blocks of 32 inputs of one output channel, each block with a float16 scale d and (4-bit) a float16
+   offset m: w = d * q + m with q in [0, 15] (Q4_1 as GGUF stores it; Q4_0 is m = -8 d), or w = d * q with q in
+   [-127, 127] (Q8_0). Each row of x is quantized in blocks of 32 as above (linear_i8's numbers). Weights are laid
+   out in tiles of 16 output channels: 8-bit tiles [in / 4][16][4] bytes (linear_i8_tiles' layout), 4-bit tiles
+   [in / 8][16][4] bytes, byte i of a channel's group of 8 inputs holding input i in its low nibble and input
+   i + 4 in its high one; d and m [out / 16][in / 32][16]. Multiplying an unsigned by a signed byte (VNNI's
+   dpbusd, AVX2's maddubs), the 4-bit q go in as they are and the 8-bit ones as q + 128, the excess taken back
+   through 128 * the block's sum of xq. One kernel takes every row count: a tile's weights are read once for up
+   to 6 rows (a step of a row or two is bound by reading the weights: 4-bit blocks are 0.625 bytes a weight). */
+#define QTILE_ROWS 6
+#define QTILE_GROUP 2
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QBLOCKS_SIMD 2
+#elif defined(HAVE_AVX2)
+#define QBLOCKS_SIMD 1
+#else
+#define QBLOCKS_SIMD 0
+#endif
+
+/* 2: AVX512-VNNI, 1: AVX2 (maddubs), 0: the plain loop */
+int linear_blocks_simd(void) { return QBLOCKS_SIMD; }
+
+static inline float half_to_float(uint16_t h) {
+#ifdef HAVE_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) bits = sign | 0x7f800000 | (mantissa << 13);
+  else if (exponent) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  else if (!mantissa) bits = sign;
+  else {  /* subnormal: normalize */
+    int e = -1;
+    uint32_t m = mantissa;
+    do { e++; m <<= 1; } while (!(m & 0x400));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+#if QBLOCKS_SIMD == 2
+/* R rows x T tiles; dot: int32 sums of one block, acc: float sums */
+static inline __attribute__((always_inline)) void blocks_kernel(const int R, const int T, const int bits,
+    const int8_t *xq, const float *xs, const float *xms, const int32_t *x128, const uint8_t *w, int64_t tile_bytes,
+    const uint16_t *d, const uint16_t *m, int64_t in, float *sums) {
+  const int64_t blocks = in / QBLOCK;
+  __m512 acc[QTILE_ROWS][QTILE_GROUP];
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+  for (int64_t b = 0; b < blocks; b++) {
+    __m512i dot[QTILE_ROWS][QTILE_GROUP];
+    for (int r = 0; r < R; r++)
+      for (int t = 0; t < T; t++) dot[r][t] = _mm512_setzero_si512();
+    if (bits == 4) {
+      for (int64_t g = b * (QBLOCK / 8); g < (b + 1) * (QBLOCK / 8); g++) {
+        __m512i lo[QTILE_GROUP], hi[QTILE_GROUP];
+        for (int t = 0; t < T; t++) {
+          const __m512i v = _mm512_loadu_si512((const void *)(w + t * tile_bytes + g * 64));
+          lo[t] = _mm512_and_si512(v, low);
+          hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < R; r++) {
+          const __m512i xl = _mm512_set1_epi32(*(const int32_t *)(xq + r * in + g * 8));
+          const __m512i xh = _mm512_set1_epi32(*(const int32_t *)(xq + r * in + g * 8 + 4));
+          for (int t = 0; t < T; t++) dot[r][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][t], lo[t], xl), hi[t], xh);
+        }
+      }
+    } else {
+      for (int64_t k4 = b * (QBLOCK / 4); k4 < (b + 1) * (QBLOCK / 4); k4++) {
+        __m512i wv[QTILE_GROUP];
+        for (int t = 0; t < T; t++)
+          wv[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + t * tile_bytes + k4 * 64)), flip);
+        for (int r = 0; r < R; r++) {
+          const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xq + r * in + k4 * 4));
+          for (int t = 0; t < T; t++) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xv);
+        }
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (t * blocks + b) * TILE)));
+      const __m512 mv = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + (t * blocks + b) * TILE)))
+                                  : _mm512_setzero_ps();
+      for (int r = 0; r < R; r++) {
+        __m512i sum = dot[r][t];
+        if (bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(x128[r * blocks + b]));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), dv), _mm512_set1_ps(xs[r * blocks + b]),
+                                    acc[r][t]);
+        if (bits == 4) acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xms[r * blocks + b]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(sums + (r * QTILE_GROUP + t) * TILE, acc[r][t]);
+}
+#elif QBLOCKS_SIMD == 1
+/* AVX2: a tile is two halves of 8 channels (one 256-bit register of 8 x 4 bytes each); one tile at a time. 4-bit:
+   maddubs' 16-bit pair sums (<= 2 * 15 * 127) add up over a block's 8 products before widening (<= 30,480). 8-bit:
+   |q| times xq with q's sign (pair sums <= 2 * 127^2), widened after each product. */
+static inline __attribute__((always_inline)) void blocks_kernel(const int R, const int T, const int bits,
+    const int8_t *xq, const float *xs, const float *xms, const int32_t *x128, const uint8_t *w, int64_t tile_bytes,
+    const uint16_t *d, const uint16_t *m, int64_t in, float *sums) {
+  (void)T; (void)x128;
+  const int64_t blocks = in / QBLOCK;
+  __m256 acc[QTILE_ROWS][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; b++) {
+    __m256i dot[QTILE_ROWS][2];
+    if (bits == 4) {
+      __m256i pairs[QTILE_ROWS][2];
+      for (int r = 0; r < R; r++) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+      for (int64_t g = b * (QBLOCK / 8); g < (b + 1) * (QBLOCK / 8); g++)
+        for (int h = 0; h < 2; h++) {
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; r++) {
+            const __m256i xl = _mm256_set1_epi32(*(const int32_t *)(xq + r * in + g * 8));
+            const __m256i xh = _mm256_set1_epi32(*(const int32_t *)(xq + r * in + g * 8 + 4));
+            pairs[r][h] = _mm256_add_epi16(pairs[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                           _mm256_maddubs_epi16(hi, xh)));
+          }
+        }
+      for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) dot[r][h] = _mm256_madd_epi16(pairs[r][h], ones);
+    } else {
+      for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int64_t k4 = b * (QBLOCK / 4); k4 < (b + 1) * (QBLOCK / 4); k4++)
+        for (int h = 0; h < 2; h++) {
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(w + k4 * 64 + h * 32));
+          const __m256i magnitude = _mm256_sign_epi8(v, v);
+          for (int r = 0; r < R; r++) {
+            const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + r * in + k4 * 4));
+            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(
+                _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, v)), ones));
+          }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * TILE + h * 8)));
+      const __m256 mv = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * TILE + h * 8)))
+                                  : _mm256_setzero_ps();
+      for (int r = 0; r < R; r++) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][h]), dv),
+                                    _mm256_set1_ps(xs[r * blocks + b]), acc[r][h]);
+        if (bits == 4) acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xms[r * blocks + b]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + r * QTILE_GROUP * TILE + h * 8, acc[r][h]);
+}
+#endif
+
+/* sums [rows][QTILE_GROUP][16] of `rows` (<= QTILE_ROWS) rows by T (<= QTILE_GROUP) consecutive tiles */
+static void blocks_rows(int64_t rows, int T, int bits, const int8_t *xq, const float *xs, const float *xms,
+                        const int32_t *x128, const uint8_t *w, int64_t tile_bytes, const uint16_t *d,
+                        const uint16_t *m, int64_t in, float *sums) {
+  const int64_t blocks = in / QBLOCK;
+#if QBLOCKS_SIMD == 2
+#define ROWS(R) case R: \
+    if (bits == 4) { if (T == 2) blocks_kernel(R, 2, 4, xq, xs, xms, x128, w, tile_bytes, d, m, in, sums); \
+                     else blocks_kernel(R, 1, 4, xq, xs, xms, x128, w, tile_bytes, d, m, in, sums); } \
+    else { if (T == 2) blocks_kernel(R, 2, 8, xq, xs, xms, x128, w, tile_bytes, d, m, in, sums); \
+           else blocks_kernel(R, 1, 8, xq, xs, xms, x128, w, tile_bytes, d, m, in, sums); } break;
+  switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
+#undef ROWS
+  (void)blocks;
+#elif QBLOCKS_SIMD == 1
+  for (int t = 0; t < T; t++) {
+    float tile_sums[QTILE_ROWS * QTILE_GROUP * TILE];
+    const uint8_t *wt = w + t * tile_bytes;
+    const uint16_t *dt = d + t * blocks * TILE, *mt = m ? m + t * blocks * TILE : NULL;
+#define ROWS(R) case R: if (bits == 4) blocks_kernel(R, 1, 4, xq, xs, xms, x128, wt, tile_bytes, dt, mt, in, tile_sums); \
+                        else blocks_kernel(R, 1, 8, xq, xs, xms, x128, wt, tile_bytes, dt, mt, in, tile_sums); break;
+    switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
+#undef ROWS
+    for (int64_t r = 0; r < rows; r++)
+      memcpy(sums + (r * QTILE_GROUP + t) * TILE, tile_sums + r * QTILE_GROUP * TILE, sizeof(float) * TILE);
+  }
+#else
+  for (int64_t r = 0; r < rows; r++)
+    for (int t = 0; t < T; t++) {
+      float total[TILE] = {0};
+      const uint8_t *wt = w + t * tile_bytes;
+      for (int64_t b = 0; b < blocks; b++) {
+        int32_t dot[TILE] = {0};
+        for (int64_t i = b * QBLOCK; i < (b + 1) * QBLOCK; i++) {
+          const int32_t xi = xq[r * in + i];
+          for (int c = 0; c < TILE; c++) {
+            int32_t q;
+            if (bits == 4) {
+              const uint8_t byte = wt[(i / 8) * 64 + c * 4 + i % 4];
+              q = i % 8 < 4 ? byte & 0x0f : byte >> 4;
+            } else {
+              q = (int32_t)(int8_t)wt[(i / 4) * 64 + c * 4 + i % 4] + 128;
+            }
+            dot[c] += q * xi;
+          }
+        }
+        const int64_t s = (t * blocks + b) * TILE;
+        for (int c = 0; c < TILE; c++) {
+          const int32_t sum = bits == 8 ? dot[c] - x128[r * blocks + b] : dot[c];
+          total[c] = fmaf((float)sum * half_to_float(d[s + c]), xs[r * blocks + b], total[c]);
+          if (bits == 4) total[c] = fmaf(half_to_float(m[s + c]), xms[r * blocks + b], total[c]);
+        }
+      }
+      memcpy(sums + (r * QTILE_GROUP + t) * TILE, total, sizeof total);
+    }
+#endif
+}
+
+/* x: [rows, in] float32 (rows contiguous); row_scale: [rows] or NULL (x's rows times it are the input); w, d, m
+   (NULL for 8 bits): the tiles above; bias (or NULL): [out]; y: [rows, out]. in a multiple of 32, out of 16.
+   passes 2: each row goes in twice, as its int8 blocks and as the int8 blocks of what they left out (x - its
+   rounding), and the two products are summed: activations to ~15 bits for the price of a second row (what a
+   step bound by reading the weights barely notices). Threads share out pairs of tiles: each reads its weights
+   once. */
+void linear_blocks_f32(const float *x, const float *row_scale, const uint8_t *w, const uint16_t *d,
+                       const uint16_t *m, int bits, int passes, const float *bias, float *y, int64_t rows,
+                       int64_t in, int64_t out, int num_threads) {
+  const int64_t blocks = in / QBLOCK, tiles = out / TILE, tile_bytes = TILE * in * bits / 8;
+  const int64_t qrows = rows * passes;
+  int8_t *xq = malloc(qrows * in);
+  float *xs = malloc(sizeof(float) * qrows * blocks), *xms = malloc(sizeof(float) * qrows * blocks);
+  int32_t *x128 = malloc(sizeof(int32_t) * qrows * blocks);
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t b = 0; b < blocks; b++) {
+        float left[QBLOCK];
+        const float *src = x + (r * blocks + b) * QBLOCK;
+        for (int p = 0; p < passes; p++) {
+          const int64_t k = (r * passes + p) * blocks + b;
+          int8_t *q = xq + k * QBLOCK;
+          const float step = quantize_block_i8(p ? left : src, q);
+          if (p + 1 < passes)
+            for (int i = 0; i < QBLOCK; i++) left[i] = fmaf(-(float)q[i], step, p ? left[i] : src[i]);  /* one rounding in every build */
+          xs[k] = step * (row_scale ? row_scale[r] : 1.0f);
+          int32_t total = 0;
+          for (int i = 0; i < QBLOCK; i++) total += q[i];
+          xms[k] = xs[k] * (float)total;
+          x128[k] = 128 * total;
+        }
+      }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < (tiles + QTILE_GROUP - 1) / QTILE_GROUP; g++) {
+      const int64_t t0 = g * QTILE_GROUP;
+      const int T = tiles - t0 < QTILE_GROUP ? (int)(tiles - t0) : QTILE_GROUP;
+      float sums[QTILE_ROWS * QTILE_GROUP * TILE];
+      /* whole rows a chunk: QTILE_ROWS is a multiple of passes (1 or 2) */
+      for (int64_t r0 = 0; r0 < qrows; r0 += QTILE_ROWS) {
+        const int64_t n = qrows - r0 < QTILE_ROWS ? qrows - r0 : QTILE_ROWS;
+        blocks_rows(n, T, bits, xq + r0 * in, xs + r0 * blocks, xms + r0 * blocks, x128 + r0 * blocks,
+                    w + t0 * tile_bytes, tile_bytes, d + t0 * blocks * TILE, m ? m + t0 * blocks * TILE : NULL, in,
+                    sums);
+        for (int64_t r = 0; r < n; r += passes)
+          for (int t = 0; t < T; t++) {
+            const int64_t col = (t0 + t) * TILE;
+            const float *sum = sums + (r * QTILE_GROUP + t) * TILE;
+            float *y_row = y + (r0 + r) / passes * out + col;
+            for (int c = 0; c < TILE; c++) {
+              float value = sum[c];
+              if (passes == 2) value += sum[QTILE_GROUP * TILE + c];
+              y_row[c] = bias ? value + bias[col + c] : value;
+            }
+          }
+      }
+    }
+  }
+  free(xq);
+  free(xs);
+  free(xms);
+  free(x128);
+}

@@ -45,6 +45,7 @@ SIGNATURES = {
                                  _I64, _I64, _I64, _I64, _I64, _F, _I32],
     "linear_i8_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
     "linear_i8_tiles_f32": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
+    "linear_blocks_f32": [_P, _P, _P, _P, _P, _I32, _I32, _P, _P, _I64, _I64, _I64, _I32],
 }
 
 
@@ -115,6 +116,7 @@ def load() -> ctypes.CDLL | None:
     lib.kv_f16_supported.argtypes, lib.kv_f16_supported.restype = [], ctypes.c_int
     lib.kv_f16 = bool(lib.kv_f16_supported())  # asked once: kv_cache_usable runs every layer of every step
     lib.linear_i8_tiles_vnni.argtypes, lib.linear_i8_tiles_vnni.restype = [], ctypes.c_int
+    lib.linear_blocks_simd.argtypes, lib.linear_blocks_simd.restype = [], ctypes.c_int
     return lib
 
 
@@ -281,19 +283,6 @@ class Int8Tiles(NamedTuple):
     scale: torch.Tensor
 
 
-def int8_tiles_wanted() -> bool:
-    """Whether int8 layers multiply their steps of many rows through linear_i8_tiles (linear_i8's numbers) rather
-    than fbgemm (a row or two take linear_i8 either way): NANOVLLM_CPU_INT8_TILES=1 or 0 decides; by default where
-    this build has AVX512-VNNI (elsewhere the tiles run a plain C loop, correct but slow)."""
-    lib = load()
-    if lib is None:
-        return False
-    forced = os.environ.get("NANOVLLM_CPU_INT8_TILES", "auto")
-    if forced not in ("auto", "0", "1"):
-        raise ValueError(f"NANOVLLM_CPU_INT8_TILES must be 0, 1 or auto, got {forced!r}.")
-    return bool(lib.linear_i8_tiles_vnni()) if forced == "auto" else forced == "1"
-
-
 def quantize_weight_int8_tiles(weight: torch.Tensor) -> Int8Tiles | None:
     """weight [out, in] float -> Int8Tiles; None when the shape does not tile (out not a multiple of 16, or in of
     QUANT_BLOCK)."""
@@ -314,7 +303,7 @@ def int8_tiles(q: torch.Tensor, scale: torch.Tensor) -> Int8Tiles | None:
 def linear_i8_tiles(x: torch.Tensor, weight: Int8Tiles, bias: torch.Tensor | None,
                     row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [rows, in] float32 (any number of rows) and an Int8Tiles weight; row_scale [rows] (or
-    [rows, 1]): the input is x's rows times it (normalized rows, see layers/cpu.RowScaled)."""
+    [rows, 1]): the input is x's rows times it (normalized rows, see platforms/cpu/row_scale.RowScaled)."""
     x = x.contiguous()
     rows, in_features = x.shape
     out_features = weight.scale.shape[0]
@@ -325,3 +314,140 @@ def linear_i8_tiles(x: torch.Tensor, weight: Int8Tiles, bias: torch.Tensor | Non
                                weight.scale.data_ptr(), _ptr(bias), y.data_ptr(), rows, in_features, out_features,
                                torch.get_num_threads())
     return y
+
+
+# linear_blocks' SIMD paths, by the code linear_blocks_simd returns
+BLOCKS_SIMD = {2: "avx512-vnni", 1: "avx2", 0: "plain C"}
+
+
+class BlockWeight(NamedTuple):
+    """A weight in blocks of 32 inputs of one output channel for linear_blocks (cpu_ops.c): bits 4 (w = d * q + m,
+    q in [0, 15]: GGUF's Q4_1, and Q4_0 with m = -8 d) or 8 (w = d * q, q in [-127, 127]: GGUF's Q8_0), laid out in
+    tiles of 16 channels: tiles uint8 [out / 16, in / 8 (4 bits) or in / 4 (8 bits), 16, 4]; d and m float16
+    [out / 16, in / 32, 16] (m None for 8 bits)."""
+
+    bits: int
+    tiles: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0] * TILE, self.d.shape[1] * QUANT_BLOCK
+
+
+def blocks_of(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    return weight.detach().float().reshape(out_features, in_features // QUANT_BLOCK, QUANT_BLOCK)
+
+
+def _exact_q4(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, whether d * q + m gives each block of w back exactly) for float16 d, m [..., blocks]."""
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = torch.where(df != 0, (w - mf) / df, 0.0).round_().clamp_(0, 15)
+    return q, (df * q + mf == w).all(-1)
+
+
+def _blocks_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Q4_1's reading of every block of w [..., 32], then Q4_0's of those it does not give back."""
+    low, high = w.amin(-1), w.amax(-1)
+    d, m = ((high - low) / 15).half(), low.half()
+    q, exact = _exact_q4(w, d, m)
+    if bool(exact.all()):
+        return q, d, m
+    rest = ~exact
+    largest = torch.where(high[rest].abs() > low[rest].abs(), high[rest], low[rest])
+    d0 = (-largest / 8).half()
+    m0 = (-8 * d0.float()).half()
+    q0, exact0 = _exact_q4(w[rest], d0, m0)
+    if not bool(exact0.all()):
+        return None
+    q[rest], d[rest], m[rest] = q0, d0, m0
+    return q, d, m
+
+
+def quantize_blocks_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """weight [out, in] -> (q uint8 [out, in] in [0, 15], d, m float16 [out, in / 32]) when every block of 32 is
+    exactly d * q + m (a weight dequantized from GGUF's Q4_0 or Q4_1 is: its own blocks come back), else None.
+    Q4_1 blocks span q = 0 to 15 (d = (max - min) / 15, m = min); Q4_0 blocks have q = 0 at their value of
+    largest magnitude (d = -that / 8, m = -8 d)."""
+    w = blocks_of(weight)
+    if _blocks_q4(w[:TILE]) is None:  # most weights that are not 4-bit say so in their first rows
+        return None
+    blocks = _blocks_q4(w)
+    if blocks is None:
+        return None
+    q, d, m = blocks
+    return q.to(torch.uint8).reshape(weight.shape), d, m
+
+
+def quantize_blocks_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (q int8 [out, in] in [-127, 127], d float16 [out, in / 32]): d = each block's largest
+    magnitude / 127 (a weight dequantized from GGUF's Q8_0 gets its own blocks back)."""
+    w = blocks_of(weight)
+    d = (w.abs().amax(-1) / 127).half()
+    df = d.float()[..., None]
+    q = torch.where(df != 0, w / df, 0.0).round_().clamp_(-127, 127)
+    return q.to(torch.int8).reshape(weight.shape), d
+
+
+def block_weight(weight: torch.Tensor, bits: int | None = None) -> BlockWeight | None:
+    """weight [out, in] float -> BlockWeight: 4 bits when that is exact (bits None: a GGUF Q4_0 / Q4_1 source),
+    else 8 (any other source: GGUF's Q8_0 exactly, others rounded to 8 bits a block). None when the shape does not
+    tile (out not a multiple of 16, in of 32) or a scale overflows float16."""
+    out_features, in_features = weight.shape
+    if out_features % TILE or in_features % QUANT_BLOCK:
+        return None
+    q4 = quantize_blocks_q4(weight) if bits in (None, 4) else None
+    if q4 is None and bits == 4:
+        raise ValueError("weight is not exactly 4-bit blocks (a GGUF Q4_0 or Q4_1 tensor)")
+    if q4 is not None:
+        q, d, m = q4
+        tiles = q.view(out_features // TILE, TILE, in_features // 8, 2, 4)
+        tiles = (tiles[..., 0, :] | tiles[..., 1, :] << 4).transpose(1, 2).contiguous()
+        bits = 4
+    else:
+        q, d = quantize_blocks_q8(weight)
+        m = None
+        tiles = q.view(torch.uint8).view(out_features // TILE, TILE, in_features // 4, 4).transpose(1, 2).contiguous()
+        bits = 8
+    if not bool(torch.isfinite(d).all()) or (m is not None and not bool(torch.isfinite(m).all())):
+        return None
+
+    def by_tile(scales: torch.Tensor) -> torch.Tensor:
+        return scales.view(out_features // TILE, TILE, -1).transpose(1, 2).contiguous()
+    return BlockWeight(bits, tiles, by_tile(d), None if m is None else by_tile(m))
+
+
+def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
+    """The float32 weight [out, in] a BlockWeight multiplies by (the reference of its layout)."""
+    out_features, in_features = weight.shape
+    d = weight.d.transpose(1, 2).reshape(out_features, -1, 1).float()
+    if weight.bits == 4:
+        low, high = weight.tiles & 0x0F, weight.tiles >> 4  # [tiles, in / 8, 16, 4]
+        q = torch.stack([low, high], dim=3).transpose(1, 2).reshape(out_features, -1, QUANT_BLOCK).float()
+        m = weight.m.transpose(1, 2).reshape(out_features, -1, 1).float()
+        return (d * q + m).reshape(out_features, in_features)
+    q = weight.tiles.view(torch.int8).transpose(1, 2).reshape(out_features, -1, QUANT_BLOCK).float()
+    return (d * q).reshape(out_features, in_features)
+
+
+def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None,
+                  row_scale: torch.Tensor | None = None, passes: int = 2) -> torch.Tensor:
+    """x W^T (+ b) for x [..., in] float32 and a BlockWeight: x's rows quantized in blocks of 32 as linear_i8's,
+    passes 2: then what that rounding left out quantized the same way, its product added (activations to ~15
+    bits);
+    row_scale [rows] or [rows, 1] (2-D x only): the input is x's rows times it."""
+    if passes not in (1, 2):
+        raise ValueError(f"passes must be 1 or 2, got {passes}")
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
+    rows, in_features = x.shape
+    out_features = weight.d.shape[0] * TILE
+    y = x.new_empty(rows, out_features)
+    if row_scale is not None:
+        row_scale = row_scale.contiguous()
+    load().linear_blocks_f32(x.data_ptr(), _ptr(row_scale), weight.tiles.data_ptr(), weight.d.data_ptr(),
+                             _ptr(weight.m), weight.bits, passes, _ptr(bias), y.data_ptr(), rows, in_features,
+                             out_features, torch.get_num_threads())
+    return y.view(*shape[:-1], out_features)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.state import current_tensor_parallel
-from nanovllm.layers.cpu import CpuPackedMatmul
+from nanovllm.layers.linear_method import UNQUANTIZED
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,16 +43,21 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
 
-class ParallelLMHead(CpuPackedMatmul, VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the whole vocabulary, gathered on rank 0 (other ranks return None); or, for a step that needs
-    only temperatures, the sampled tokens on every rank with no logits gathered (``sample_on_slices``)."""
+    only temperatures, the sampled tokens on every rank with no logits gathered (``sample_on_slices``). Its product
+    goes through ``linear_method`` (layers/linear_method.py), as a linear layer's."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.linear_method = UNQUANTIZED
 
     def sample_on_slices(self, hidden: torch.Tensor, temperatures: torch.Tensor,
                          seeds: torch.Tensor) -> torch.Tensor:
         """[rows] int64 token ids, equal on every rank: each rank draws from its slice of the vocabulary (the
         same noise per token as one device), and only each slice's (score, id) winner crosses ranks."""
         from nanovllm.kernels.sampling import gumbel_argmax_with_scores, merge_shard_winners
-        logits = self.cpu_matmul(hidden, None)[:, :self.num_valid]
+        logits = self.linear_method.apply(self, hidden, None)[:, :self.num_valid]
         ids, scores = gumbel_argmax_with_scores(logits, temperatures, seeds, id_offset=self.vocab_start)
         mine = torch.stack([scores.view(torch.int32), ids.to(torch.int32)])  # one [2, rows] message per rank
         everyone = mine.new_empty(self.tp_size * 2, mine.shape[1])
@@ -61,7 +66,7 @@ class ParallelLMHead(CpuPackedMatmul, VocabParallelEmbedding):
         return merge_shard_winners(everyone[:, 0].view(torch.float32), everyone[:, 1])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.cpu_matmul(hidden, None)  # F.linear unless the CPU packed the weight
+        logits = self.linear_method.apply(self, hidden, None)  # F.linear unless the platform chose another
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.state import current_tensor_parallel, tp_size
-from nanovllm.layers.cpu import CpuPackedMatmul
+from nanovllm.layers.linear_method import UNQUANTIZED
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -19,8 +19,10 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class LinearBase(CpuPackedMatmul, nn.Module):
-    """y = x W^T (+ b); tp_dim says which dimension of W is split across ranks (None: replicated)."""
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) through the layer's linear_method (layers/linear_method.py: F.linear on ``weight`` unless
+    the platform chose another at load time); tp_dim says which dimension of W is split across ranks (None:
+    replicated)."""
 
     tp_dim: int | None = None
 
@@ -28,6 +30,7 @@ class LinearBase(CpuPackedMatmul, nn.Module):
         super().__init__()
         self.tp = current_tensor_parallel()  # its engine's: another engine may share this process
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
+        self.linear_method = UNQUANTIZED
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -46,7 +49,7 @@ class LinearBase(CpuPackedMatmul, nn.Module):
         _copy_checked(param.data, loaded, param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.cpu_matmul(x, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, param) -> None:
@@ -124,11 +127,11 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         if self.tp_size == 1:
-            return self.cpu_matmul(x, bias)
+            return self.linear_method.apply(self, x, bias)
         reducer = self.tp.custom_all_reduce if x.is_cuda else None
         shared = reducer.shared_output((*x.shape[:-1], self.weight.shape[0]), x.dtype) if reducer else None
         if shared is None:
-            return self.tp.all_reduce(self.cpu_matmul(x, bias))
+            return self.tp.all_reduce(self.linear_method.apply(self, x, bias))
         # decode-sized: the partial sum goes straight into the buffer the ranks share, and the sum is read from
         # there (no copy in or out); it is valid until the next all-reduce, and the residual add + norm that
         # follows every row-parallel layer reads it before then

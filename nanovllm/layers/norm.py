@@ -8,7 +8,7 @@ from torch import nn
 
 from nanovllm.kernels import cpu_ops
 from nanovllm.layers.compile import cuda_compiled
-from nanovllm.layers.cpu import RowScaled, fbgemm_takes
+from nanovllm.platforms.cpu.row_scale import RowScaled, fbgemm_takes
 
 
 @cuda_compiled

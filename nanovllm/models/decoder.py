@@ -165,21 +165,22 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def use_row_scales(self) -> None:
-        """cpu_int8 (layers/cpu.RowScaled): the norms and the activation that feed int8 linears write their rows
-        normalized, and o_proj, gate_up_proj and down_proj hand their products on with the row scale still to
-        apply, to the residual add + norm and the activation after them, which apply it as they read: six passes
-        over a tensor fewer per layer. Only in layers whose linears multiply in int8 on one rank."""
+        """cpu_int8's fbgemm steps (platforms/cpu/row_scale.py): the norms and the activation that feed int8 linears
+        write their rows normalized, and o_proj, gate_up_proj and down_proj hand their products on with the row
+        scale still to apply, to the residual add + norm and the activation after them, which apply it as they
+        read: six passes over a tensor fewer per layer. Only in layers whose linears all take such rows, on one
+        rank."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(mlp, DecoderMLP):
                 continue  # experts multiply in the model's dtype
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(linear.int8_packed is None or linear.tp_size > 1 for linear in linears):
+            if any(not linear.linear_method.takes_row_scaled or linear.tp_size > 1 for linear in linears):
                 continue
             layer.input_layernorm.emits_row_scaled = layer.post_attention_layernorm.emits_row_scaled = True
             mlp.act.emits_row_scaled = True
             for linear in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                linear.keeps_row_scale = True
+                linear.linear_method.keeps_row_scale = True
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -18,9 +18,11 @@ from nanovllm.attention.torch_backend import (
     store_kvcache_ref,
 )
 from nanovllm.config import EngineConfig
-from nanovllm.layers import cpu
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import QKVParallelLinear
+from nanovllm.platforms.cpu import linear as cpu_linear
+from nanovllm.platforms.cpu import settings as cpu_settings
+from nanovllm.platforms.cpu.row_scale import RowScaled, normalize_rows
 
 
 def paged(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=torch.float32, seed: int = 0):
@@ -112,7 +114,7 @@ def test_packed_linear_equals_f_linear_and_keeps_one_copy():
     weight = layer.weight.detach().clone()
     x = torch.randn(5, 64)
     expected = F.linear(x, weight, layer.bias)
-    layer.pack_for_cpu()
+    cpu_linear.set_linear_method(layer, cpu_linear.linear_method(layer.weight, "packed"))
     assert layer.weight.numel() == 0, "the plain weight is released"
     for rows in (1, 5):
         torch.testing.assert_close(layer(x[:rows]), expected[:rows], atol=1e-5, rtol=1e-5)
@@ -121,7 +123,6 @@ def test_packed_linear_equals_f_linear_and_keeps_one_copy():
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 def test_tied_lm_head_keeps_the_embedding_weight(monkeypatch):
-    monkeypatch.setenv("NANOVLLM_CPU_PACK", "1")
     model = torch.nn.Module()
     model.embed = VocabParallelEmbedding(100, 16)
     model.head = ParallelLMHead(100, 16)
@@ -129,20 +130,21 @@ def test_tied_lm_head_keeps_the_embedding_weight(monkeypatch):
     model.head.weight = model.embed.weight
     hidden = torch.randn(3, 16)
     expected = F.linear(hidden, model.embed.weight)
-    assert cpu.pack_model_for_cpu(model) == 1
+    assert cpu_linear.prepare_model(model, "packed") == 1
     assert model.embed.weight.numel() == 100 * 16
     torch.testing.assert_close(model.head(hidden), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_dtype_follows_native_bf16(monkeypatch):
     monkeypatch.delenv("NANOVLLM_CPU_DTYPE", raising=False)
-    cpu.cpu_has_fast_bf16.cache_clear()
+    cpu_settings.cpu_has_fast_bf16.cache_clear()
     try:
         for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
             monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda n=native: n, raising=False)
             monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-            cpu.cpu_has_fast_bf16.cache_clear()
-            assert cpu.default_cpu_dtype() == dtype
+            cpu_settings.cpu_has_fast_bf16.cache_clear()
+            assert cpu_settings.default_cpu_dtype() == dtype
+            monkeypatch.setattr(cpu_settings, "blocks_available", lambda: False)  # without the block kernels
             assert EngineConfig(device="cpu").torch_dtype == dtype
             assert EngineConfig(device="cpu", dtype="float32").torch_dtype == torch.float32
             # the int8 / float16 weight paths and the int8 KV cache compute in float32: asking for one picks it
@@ -151,9 +153,9 @@ def test_cpu_dtype_follows_native_bf16(monkeypatch):
                 assert config.torch_dtype == torch.float32, option
             assert EngineConfig(device="cpu", cpu_int8=True).kv_torch_dtype == torch.float16
         monkeypatch.setenv("NANOVLLM_CPU_DTYPE", "bfloat16")
-        assert cpu.default_cpu_dtype() == torch.bfloat16, "the variable decides over the CPU's features"
+        assert cpu_settings.default_cpu_dtype() == torch.bfloat16, "the variable decides over the CPU's features"
     finally:
-        cpu.cpu_has_fast_bf16.cache_clear()
+        cpu_settings.cpu_has_fast_bf16.cache_clear()
 
 
 def test_engine_with_fp16_weights_generates_like_float32(tiny_qwen3):
@@ -164,8 +166,8 @@ def test_engine_with_fp16_weights_generates_like_float32(tiny_qwen3):
     reference = LLM(tiny_qwen3, **kwargs)
     expected = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
     llm = LLM(tiny_qwen3, cpu_fp16=True, **kwargs)
-    layers = [m for m in llm.runner.model.modules() if hasattr(m, "fp16_packed")]
-    assert layers and all(m.fp16_packed is not None for m in layers), "every linear and the LM head"
+    layers = [m for m in llm.runner.model.modules() if hasattr(m, "linear_method")]
+    assert layers and all(isinstance(m.linear_method, cpu_linear.Fp16Linear) for m in layers), "every linear and the LM head"
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert llm.generate(prompts[:1], params, use_tqdm=False)[0].token_ids == expected[0]
 
@@ -200,9 +202,9 @@ def test_quantized_linear_tracks_float32_and_keeps_one_copy(path, bound):
     layer.bias.data.normal_()
     x = torch.randn(70, 64)
     expected = F.linear(x, layer.weight.detach().clone(), layer.bias)
-    layer.pack_for_cpu(**{path: True})
-    assert layer.weight.numel() == 0 and layer.packed_weight is None
-    assert (layer.int8_packed is not None, layer.fp16_packed is not None) == (path == "int8", path == "fp16")
+    cpu_linear.set_linear_method(layer, cpu_linear.linear_method(layer.weight, path))
+    assert layer.weight.numel() == 0
+    assert type(layer.linear_method) is {"int8": cpu_linear.Int8Linear, "fp16": cpu_linear.Fp16Linear}[path]
     for rows in (1, 2, 5, 70):
         got, want = layer(x[:rows]), expected[:rows]
         assert got.dtype == torch.float32 and got.shape == want.shape
@@ -216,7 +218,6 @@ def test_int8_tiles_replace_fbgemms_copy_and_keep_the_few_row_kernels_numbers(mo
     no float32 weight); every row count gives the few-row kernel's product, row by row, RowScaled input too."""
     from nanovllm.kernels import cpu_ops
 
-    monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", "1")
     torch.manual_seed(0)
     layer = QKVParallelLinear(64, 16, 4, 2, bias=True)
     layer.weight.data.normal_()
@@ -226,14 +227,15 @@ def test_int8_tiles_replace_fbgemms_copy_and_keep_the_few_row_kernels_numbers(mo
     expected = F.linear(x, weight, layer.bias)
     per_row = torch.cat([cpu_ops.linear_i8(x[r:r + 1], cpu_ops.quantize_weight_int8(weight), layer.bias)
                          for r in range(70)])
-    layer.pack_for_cpu(int8=True, int8_rows=True)
-    assert layer.int8_tiles is not None and layer.int8_rows is not None
-    assert layer.int8_packed is None and layer.packed_weight is None and layer.weight.numel() == 0
+    cpu_linear.set_linear_method(layer, cpu_linear.linear_method(layer.weight, "int8", int8_tiles=True))
+    method = layer.linear_method
+    assert method.tiles is not None and method.rows is not None
+    assert method.packed is None and layer.weight.numel() == 0
     for rows in (1, 2, 3, 70):
         got = layer(x[:rows])
         torch.testing.assert_close(got, per_row[:rows], rtol=1e-5, atol=1e-5)
         assert (got - expected[:rows]).abs().max() < 0.03 * expected[:rows].abs().max()
-    scaled = cpu.RowScaled(*cpu.normalize_rows(x))
+    scaled = RowScaled(*normalize_rows(x))
     torch.testing.assert_close(layer(scaled), per_row, rtol=1e-5, atol=1e-5)
 
 
@@ -246,7 +248,7 @@ def test_int8_scales_each_row_so_an_outsized_row_leaves_the_others_alone():
     x = torch.randn(8, 64)
     x[3] *= 1000
     expected = F.linear(x, layer.weight.detach().clone())
-    layer.pack_for_cpu(int8=True)
+    cpu_linear.set_linear_method(layer, cpu_linear.linear_method(layer.weight, "int8"))
     got = layer(x)
     for row in range(8):
         error = (got[row] - expected[row]).abs().max() / expected[row].abs().max()
@@ -267,8 +269,8 @@ def test_engine_with_int8_linears_tracks_float32(tiny_qwen3):
             llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         logits[int8] = torch.cat(captured)
         if int8:
-            layers = {name: m for name, m in llm.runner.model.named_modules() if hasattr(m, "int8_packed")}
-            assert layers and all(m.int8_packed is not None and m.fp16_packed is None for m in layers.values()), \
+            layers = {name: m for name, m in llm.runner.model.named_modules() if hasattr(m, "linear_method")}
+            assert layers and all(isinstance(m.linear_method, cpu_linear.Int8Linear) for m in layers.values()), \
                 "every linear, down_proj included, multiplies in int8"
     ref, got = logits[False], logits[True]
     spread = (ref.max(-1).values - ref.min(-1).values).min()
@@ -279,7 +281,7 @@ def test_engine_with_int8_linears_tracks_float32(tiny_qwen3):
 @pytest.mark.parametrize("compiled", [True, False])  # False: the torch ops, which apply a RowScaled's scale first
 def test_int8_row_scales_handed_between_ops_give_the_same_logits(tiny_qwen3, monkeypatch, compiled):
     """Under cpu_int8 the norms and the activation write their rows normalized for the int8 linears, and o_proj,
-    gate_up_proj and down_proj leave their row scale to the op after them (layers/cpu.RowScaled): the logits are
+    gate_up_proj and down_proj leave their row scale to the op after them (platforms/cpu/row_scale.RowScaled): the logits are
     those of applying every scale at the linear, bit for bit (the same roundings in the same order)."""
     from nanovllm.kernels import cpu_ops
 
@@ -290,15 +292,15 @@ def test_int8_row_scales_handed_between_ops_give_the_same_logits(tiny_qwen3, mon
     model = llm.runner.model
     layers = model.model.layers
     handed = {"in": 0, "out": 0}
-    original_linear = cpu.int8_linear
+    original_linear = cpu_linear.int8_linear
 
     def spy(x, packed, bias, keep_row_scale=False):
         y = original_linear(x, packed, bias, keep_row_scale)
-        handed["in"] += isinstance(x, cpu.RowScaled)
-        handed["out"] += isinstance(y, cpu.RowScaled)
+        handed["in"] += isinstance(x, RowScaled)
+        handed["out"] += isinstance(y, RowScaled)
         return y
 
-    monkeypatch.setattr(cpu, "int8_linear", spy)
+    monkeypatch.setattr(cpu_linear, "int8_linear", spy)
     prompts = [list(range(3, 30)), [7] * 5 + list(range(100, 140)), [300, 2, 45]]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # 3 rows a decode step: fbgemm
 
@@ -318,7 +320,7 @@ def test_int8_row_scales_handed_between_ops_give_the_same_logits(tiny_qwen3, mon
         layer.input_layernorm.emits_row_scaled = layer.post_attention_layernorm.emits_row_scaled = False
         layer.mlp.act.emits_row_scaled = False
         for linear in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            linear.keeps_row_scale = False
+            linear.linear_method.keeps_row_scale = False
     handed.update({"in": 0, "out": 0})
     applied_at_the_linear = logits()
     assert handed == {"in": 0, "out": 0}
@@ -327,16 +329,18 @@ def test_int8_row_scales_handed_between_ops_give_the_same_logits(tiny_qwen3, mon
 
 def test_row_scaled_input_reaches_every_linear_path():
     """A RowScaled input (normalized rows + their scales) gives the plain input's product on int8's few-row kernel,
-    fbgemm, and a layer without int8 weights."""
+    fbgemm, the tiles, the 4/8-bit blocks and a layer on its float weight."""
     torch.manual_seed(2)
     x = torch.randn(6, 64)
-    scaled = cpu.RowScaled(*cpu.normalize_rows(x))
-    for kwargs in ({"int8": True}, {"int8": True, "int8_rows": True}, {"pack": False}):
+    scaled = RowScaled(*normalize_rows(x))
+    for kind, option in (("int8", "fbgemm only"), ("int8", None), ("int8", "tiles"), ("blocks", None), ("float", None)):
         layer = QKVParallelLinear(64, 16, 4, 2)
         layer.weight.data.normal_()
-        layer.pack_for_cpu(**kwargs)
+        cpu_linear.set_linear_method(layer, cpu_linear.linear_method(layer.weight, kind, int8_tiles=option == "tiles"))
+        if option == "fbgemm only":
+            layer.linear_method.rows = None
         for rows in (1, 6):
-            part = cpu.RowScaled(scaled.values[:rows], scaled.scale[:rows])
+            part = RowScaled(scaled.values[:rows], scaled.scale[:rows])
             torch.testing.assert_close(layer(part), layer(x[:rows]), rtol=1e-4, atol=1e-4)
 
 

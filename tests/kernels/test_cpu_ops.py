@@ -345,7 +345,7 @@ def test_linear_i8_tiles_is_linear_i8s_product_at_any_row_count(rows, out_featur
     torch.testing.assert_close(out.double(), _int8_reference(x, q, w_scale) + bias.double(), rtol=1e-5, atol=1e-4)
     few_rows = torch.cat([cpu_ops.linear_i8(x[r:r + 1].contiguous(), (q, w_scale), bias) for r in range(rows)])
     torch.testing.assert_close(out, few_rows, rtol=1e-5, atol=1e-4)
-    # rows given normalized with their scales apart (layers/cpu.RowScaled) give the same product
+    # rows given normalized with their scales apart (platforms/cpu/row_scale.RowScaled) give the same product
     row_max = x.abs().amax(dim=1, keepdim=True)
     torch.testing.assert_close(cpu_ops.linear_i8_tiles(x / row_max, tiles, bias, row_max), out, rtol=1e-5, atol=1e-4)
     full = x @ weight.t() + bias
@@ -374,9 +374,11 @@ def test_the_plain_tiles_loop_gives_the_vnni_kernels_numbers(tmp_path, monkeypat
 
 
 def test_int8_tiles_are_wanted_where_asked_or_where_the_cpu_has_vnni(monkeypatch) -> None:
+    from nanovllm.platforms.cpu.settings import int8_tiles_wanted
+
     for value, wanted in (("1", True), ("0", False), ("auto", bool(cpu_ops.load().linear_i8_tiles_vnni()))):
         monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", value)
-        assert cpu_ops.int8_tiles_wanted() == wanted
+        assert int8_tiles_wanted() == wanted
     monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", "yes")
     with pytest.raises(ValueError, match="NANOVLLM_CPU_INT8_TILES must be 0, 1 or auto, got 'yes'"):
-        cpu_ops.int8_tiles_wanted()
+        int8_tiles_wanted()

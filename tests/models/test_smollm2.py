@@ -20,7 +20,8 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=512, num_kvcache_blocks=16, kvcache_block_size=64)
+    # float32 said explicitly: the oracle computes in it (dtype auto would multiply the GGUF's 4-bit blocks)
+    return LLM(max_model_len=512, num_kvcache_blocks=16, kvcache_block_size=64, dtype="float32")
 
 
 def test_greedy_chat_equals_hf(llm):
@@ -84,10 +85,10 @@ def test_int8_tiles_keep_float32s_greedy_choices(llm, monkeypatch):
     (many rows: the tiles), it gives float32's tokens nearly float32's log-probability (measured over 1,536
     positions of 24 chat answers: mean -0.822 vs float32's -0.815, top-1 the same at 94 %; fbgemm's per-row 7-bit
     activations: -0.997 and 78 %)."""
-    monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", "1")
+    monkeypatch.setenv("NANOVLLM_CPU_INT8_TILES", "1")  # read once, when the engine is configured
     int8 = LLM(max_model_len=512, num_kvcache_blocks=16, kvcache_block_size=64, cpu_int8=True)
     head = int8.runner.model.lm_head
-    assert head.int8_tiles is not None and head.int8_packed is None
+    assert head.linear_method.tiles is not None and head.linear_method.packed is None
     questions = QUESTIONS + ["Write a short poem about the moon.", "Explain how bread is made.",
                              "List five facts about owls.", "Why is the sky blue?", "Describe a train journey."]
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]

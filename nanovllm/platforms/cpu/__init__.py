@@ -1,0 +1,1 @@
+"""The CPU's execution: settings (resolved once into the engine config), linear methods, row scales."""

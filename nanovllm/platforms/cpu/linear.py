@@ -1,0 +1,201 @@
+"""The CPU's linear methods (layers/linear_method.LinearMethod), one per weight format, and the choice of one for
+every linear layer and the LM head of a loaded model (``prepare_model``).
+
+On the CPU a model's time is its matmuls. One row is a matrix-vector product: it reads every weight once and is
+bound by memory bandwidth, not FLOPs; many rows are bound by arithmetic.
+
+- ``BlockLinear`` (the default with no flags where the compiled ops have AVX2 or AVX512-VNNI): weights in blocks of
+  32 inputs with a float16 scale each, 4 bits (w = d q + m: GGUF's Q4_0 and Q4_1 blocks, taken as they are) or 8
+  bits (w = d q: GGUF's Q8_0, and every other source rounded to it), activations quantized per block of 32 as
+  llama.cpp does (kernels/cpu_ops.py, linear_blocks). A 4-bit weight reads 0.625 bytes, float32's 4.
+- ``PackedLinear``: the weight reordered once into oneDNN's blocked layout, 4-16 % faster than F.linear on a
+  2-core AVX2 machine but with state for every new row count (opt-in: NANOVLLM_CPU_PACK=1).
+- ``Fp16Linear`` (cpu_fp16): fbgemm's float16-weight GEMM, float32 activations and sums. Measured on a 2-core AVX2
+  machine, per layer of SmolLM2-135M with weights not in cache: 2-3x faster than float32 at 1 row, 3-6x at 2-4
+  rows, 1.3-2.3x at 64 rows; the weight rounding is ~2e-4 of a layer's largest output.
+- ``Int8Linear`` (cpu_int8): int8 weights per output channel. Steps of one or two rows go through the compiled
+  matrix-vector kernel (activations per block of 32); more rows through the compiled tiles (the same numbers,
+  where the build has AVX512-VNNI) or torch's dynamic int8 linear (fbgemm: per-row 7-bit activations, its rows
+  handed between ops as platforms/cpu/row_scale.RowScaled). torch marks its quantized API as deprecated: both
+  fbgemm paths need it to build their weights.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from nanovllm.kernels import cpu_ops
+from nanovllm.layers.linear_method import UNQUANTIZED, LinearMethod
+from nanovllm.platforms.cpu.row_scale import RowScaled, fbgemm_takes, normalize_rows
+
+# the batch size oneDNN picks the packed layout for (a hint: any number of rows works)
+PACK_BATCH_HINT = 64
+
+
+def _plain(x: torch.Tensor | RowScaled) -> torch.Tensor:
+    return x.materialize() if isinstance(x, RowScaled) else x
+
+
+class PackedLinear(LinearMethod):
+    """oneDNN-packed copy of the weight (float32 or bfloat16)."""
+
+    owns_weight = True
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+
+    def apply(self, layer, x, bias):
+        return torch.ops.mkldnn._linear_pointwise(_plain(x), self.packed, bias, "none", [], "")
+
+
+class Fp16Linear(LinearMethod):
+    """fbgemm's float16 weights: float32 x and sums, float16 weights read."""
+
+    owns_weight = True
+
+    def __init__(self, weight: torch.Tensor):
+        with warnings.catch_warnings():  # the quantized API's deprecation notice: see the module docstring
+            warnings.simplefilter("ignore")
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+
+    def apply(self, layer, x, bias):
+        y = torch.ops.quantized.linear_dynamic_fp16(_plain(x), self.packed)
+        return y if bias is None else y + bias
+
+
+def int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight: [out, in] float32 -> an opaque fbgemm/oneDNN packed int8 weight for int8_linear (symmetric, one
+    scale per output channel)."""
+    weight = weight.detach().float().contiguous()
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # the quantized-tensor API's deprecation notice: see the module docstring
+        warnings.simplefilter("ignore")
+        quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(quantized, None)
+
+
+def int8_linear(x: torch.Tensor | RowScaled, packed: torch.Tensor, bias: torch.Tensor | None,
+                keep_row_scale: bool = False) -> torch.Tensor | RowScaled:
+    """y = x W^T (+ b) with a weight from int8_weight; x float32 [..., in] is quantized per call (reduce_range:
+    7-bit activations, so AVX2's 16-bit pairwise sums of int8 products cannot saturate) with a scale per row:
+    fbgemm takes one scale for the whole tensor, so each row is divided by its largest magnitude first (unless x
+    comes normalized, a RowScaled) and the product's row multiplied back (unless keep_row_scale, and no bias:
+    then y comes as RowScaled). One scale for all rows let the few tokens with outsized activations (a prompt's
+    first, say) coarsen every other row: top-1 agreement with float32 on SmolLM2's chat answers fell to 68 %."""
+    normalized, row_max = x if isinstance(x, RowScaled) else normalize_rows(x)
+    # the overload itself: the op's packet checks every call's arguments in Python first (~5 us, 121 calls a step)
+    y = torch.ops.quantized.linear_dynamic.default(normalized, packed, True)
+    if keep_row_scale and bias is None:
+        return RowScaled(y, row_max)
+    y.mul_(row_max)
+    return y if bias is None else y + bias
+
+
+class Int8Linear(LinearMethod):
+    """int8 weights, one scale per output channel, in up to two copies: ``rows`` (kernels/cpu_ops.linear_i8, steps
+    of one or two rows; None without the compiled ops) and, for more rows, ``tiles`` (cpu_ops.linear_i8_tiles)
+    or ``packed`` (fbgemm)."""
+
+    owns_weight = True
+
+    def __init__(self, weight: torch.Tensor, tiles: bool):
+        # quantized once for both compiled layouts (a float temporary as large as the weight: peak memory)
+        quantized = cpu_ops.quantize_weight_int8(weight) if cpu_ops.load() is not None else None
+        self.rows = quantized
+        self.tiles = cpu_ops.int8_tiles(*quantized) if tiles and quantized is not None else None
+        self.packed = int8_weight(weight) if self.tiles is None else None
+        # return the product as RowScaled, its row scale left to the op that reads it (set by the model, which
+        # knows which ops follow which layer: DecoderForCausalLM.use_row_scales)
+        self.keeps_row_scale = False
+
+    @property
+    def takes_row_scaled(self) -> bool:
+        return self.packed is not None
+
+    def apply(self, layer, x, bias):
+        values = x.values if isinstance(x, RowScaled) else x
+        if self.rows is not None and values.dim() == 2 and not fbgemm_takes(values.shape[0]) and values.is_contiguous():
+            return cpu_ops.linear_i8(_plain(x), self.rows, bias)
+        if self.tiles is not None:
+            if isinstance(x, RowScaled):
+                return cpu_ops.linear_i8_tiles(x.values, self.tiles, bias, x.scale)
+            return cpu_ops.linear_i8_tiles(x.reshape(-1, x.shape[-1]), self.tiles, bias).view(*x.shape[:-1], -1)
+        return int8_linear(x, self.packed, bias, self.keeps_row_scale)
+
+
+class BlockLinear(LinearMethod):
+    """4- or 8-bit weight blocks (kernels/cpu_ops.BlockWeight) at every row count."""
+
+    owns_weight = True
+
+    def __init__(self, weight: cpu_ops.BlockWeight):
+        self.weight = weight
+
+    def apply(self, layer, x, bias):
+        if isinstance(x, RowScaled):
+            return cpu_ops.linear_blocks(x.values, self.weight, bias, x.scale)
+        return cpu_ops.linear_blocks(x, self.weight, bias)
+
+
+def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False) -> LinearMethod:
+    """The method of kind (settings.CPU_LINEAR_METHODS) for a float weight [out, in]; the default (F.linear on the
+    float weight) where the kind does not take this weight (a bfloat16 weight under int8 or fp16, a shape the
+    block kernels do not tile)."""
+    if kind == "packed":
+        return PackedLinear(weight)
+    if weight.dtype != torch.float32:  # the others compute in float32 (the config sees to it)
+        return UNQUANTIZED
+    if kind == "fp16":
+        return Fp16Linear(weight)
+    if kind == "int8":
+        return Int8Linear(weight, int8_tiles)
+    if kind == "blocks":
+        blocks = cpu_ops.block_weight(weight)
+        return UNQUANTIZED if blocks is None else BlockLinear(blocks)
+    return UNQUANTIZED
+
+
+def set_linear_method(layer: torch.nn.Module, method: LinearMethod, release: bool = True) -> None:
+    """Give a layer its method; release: then empty the float weight the method copied (loading is over), so the
+    model holds one copy of its weights; not when a tied embedding still reads it."""
+    layer.linear_method = method
+    if release and method.owns_weight:
+        layer.weight.data = layer.weight.data.new_empty(0)
+
+
+def check_fbgemm(what: str) -> None:
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError(f"{what} needs torch's fbgemm kernels (an x86 CPU with AVX2); this torch supports "
+                         f"{torch.backends.quantized.supported_engines}.")
+
+
+def prepare_model(model: torch.nn.Module, kind: str, int8_tiles: bool = False) -> int:
+    """Give every linear layer and the LM head of a loaded CPU model the method of kind; returns how many changed.
+
+    kind: the config's ``cpu_linear`` (settings.CPU_LINEAR_METHODS). int8_tiles: int8's steps of many rows
+    through the compiled tiles (the config's ``cpu.int8_tiles``)."""
+    if kind == "float":
+        return 0
+    if kind in ("int8", "fp16"):
+        check_fbgemm("cpu_int8" if kind == "int8" else "cpu_fp16")
+    users: dict[int, int] = {}  # weight -> how many modules hold it (a tied LM head shares the embedding's)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            users[id(weight)] = users.get(id(weight), 0) + 1
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "linear_method") or module.weight.device.type != "cpu" or module.weight.dtype not in (
+                torch.float32, torch.bfloat16):
+            continue
+        method = linear_method(module.weight, kind, int8_tiles)
+        if method is not UNQUANTIZED:
+            set_linear_method(module, method, release=users[id(module.weight)] == 1)
+            count += 1
+    if kind == "int8" and hasattr(model, "use_row_scales"):
+        model.use_row_scales()  # the model knows which op reads which layer's output
+    return count
+

@@ -1,0 +1,122 @@
+"""The CPU's products on 4- and 8-bit weight blocks (cpu_ops.linear_blocks): GGUF's own blocks come back from their
+dequantized weights, the product is an exact integer reference's, and every SIMD build gives the same numbers."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from nanovllm.kernels import cpu_ops
+
+gguf = pytest.importorskip("gguf")
+BLOCK = cpu_ops.QUANT_BLOCK
+
+if cpu_ops.load() is None:
+    pytest.fail("the CPU ops did not build (no C compiler, or NANOVLLM_CPU_KERNELS=0)", pytrace=False)
+
+
+def gguf_weight(kind: str, out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """(the float32 weight GGUF's dequantization gives, the raw blocks) of a random weight quantized to kind."""
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, qtype)
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)), raw
+
+
+def by_channel(scales: torch.Tensor) -> torch.Tensor:
+    """BlockWeight's [out / 16, in / 32, 16] scales -> [out, in / 32]."""
+    return scales.transpose(1, 2).reshape(-1, scales.shape[1])
+
+
+@pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
+def test_gguf_blocks_come_back_exactly_from_their_dequantized_weights(kind, bits) -> None:
+    weight, raw = gguf_weight(kind, 48, 576)
+    blocks = cpu_ops.block_weight(weight)
+    assert blocks.bits == bits and blocks.shape == (48, 576)
+    assert torch.equal(cpu_ops.dequantize_blocks(blocks), weight)
+    # the file's own scales (each block starts with its float16 d, then Q4_1's m)
+    raw = raw.reshape(48, 576 // BLOCK, -1)
+    d = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0])
+    if kind == "Q4_0":  # w = d (q - 8): the file's d (or -d where the block's q span 0 to 15, read as Q4_1's)
+        assert torch.equal(by_channel(blocks.d).abs(), d.abs())
+    else:
+        assert torch.equal(by_channel(blocks.d), d)
+    if kind == "Q4_1":
+        assert torch.equal(by_channel(blocks.m), torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0]))
+
+
+def test_other_weights_take_8_bit_blocks_and_odd_shapes_none() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    blocks = cpu_ops.block_weight(weight)
+    assert blocks.bits == 8 and blocks.m is None
+    error = (cpu_ops.dequantize_blocks(blocks) - weight).abs().view(32, 2, BLOCK)
+    assert bool((error <= weight.abs().view(32, 2, BLOCK).amax(-1, keepdim=True) / 254 * 1.001).all())
+    with pytest.raises(ValueError, match="not exactly 4-bit blocks"):
+        cpu_ops.block_weight(weight, bits=4)
+    assert cpu_ops.block_weight(torch.randn(24, 64)) is None  # out not a multiple of 16
+    assert cpu_ops.block_weight(torch.randn(16, 48)) is None  # in not a multiple of 32
+
+
+def quantized_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] -> (int8 values [rows, blocks, 32], steps [rows, blocks]) as the kernels round: x * (127 / max)."""
+    xb = x.reshape(x.shape[0], -1, BLOCK)
+    largest = xb.abs().amax(dim=2, keepdim=True)
+    return torch.round(xb * (127 / largest)).clamp(-127, 127), (largest / 127)[..., 0]
+
+
+def blocks_reference(x: torch.Tensor, weight: cpu_ops.BlockWeight, passes: int) -> torch.Tensor:
+    """The product linear_blocks computes: x's rows quantized in blocks of 32 (symmetric), each block's integer
+    sums exact, then scaled (float64); passes 2: plus the same of what the first rounding left out."""
+    out_features = weight.shape[0]
+    w = cpu_ops.dequantize_blocks(weight).double().view(out_features, -1, BLOCK)
+    total, left = 0, x
+    for _ in range(passes):
+        xq, xs = quantized_blocks(left)
+        total = total + torch.einsum("rbk,obk->rbo", xq.double(), w).mul(xs.double()[..., None]).sum(1)
+        left = left - (xq * xs[..., None]).view_as(left)
+    return total
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_linear_blocks_is_the_integer_reference_at_any_row_count(rows, kind, passes) -> None:
+    torch.manual_seed(rows)
+    weight, _ = gguf_weight(kind, 80, 1536, seed=rows)
+    blocks = cpu_ops.block_weight(weight)
+    x, bias = torch.randn(rows, 1536) * 5, torch.randn(80)
+    x[0, 7] = 40.0  # an outlier channel: only its block's scale follows it
+    out = cpu_ops.linear_blocks(x, blocks, bias, passes=passes)
+    torch.testing.assert_close(out.double(), blocks_reference(x, blocks, passes) + bias.double(), rtol=1e-5, atol=1e-4)
+    # rows given normalized with their scales apart (platforms/cpu/row_scale.RowScaled) give the same product
+    row_max = x.abs().amax(dim=1, keepdim=True)
+    torch.testing.assert_close(cpu_ops.linear_blocks(x / row_max, blocks, bias, row_max, passes), out, rtol=1e-5,
+                               atol=1e-4)
+    full = x @ weight.t() + bias
+    # one pass: int8 activations (~0.5 % of the largest output); two: ~15 bits, near float32's product
+    assert float((out - full).abs().max()) < (0.02 if passes == 1 else 2e-4) * float(full.abs().max())
+    assert cpu_ops.linear_blocks(x.view(1, rows, 1536), blocks, None).shape == (1, rows, 80)
+
+
+@pytest.mark.parametrize("flags,simd", [(("-mno-avx512f",), 1), (("-mno-avx512f", "-mno-avx2", "-mno-fma"), 0)])
+def test_every_simd_build_gives_the_same_numbers(tmp_path, monkeypatch, flags, simd) -> None:
+    """The AVX2 (maddubs) and plain C builds against this machine's (AVX512-VNNI where it has it): bit for bit."""
+    monkeypatch.setenv("NANOVLLM_CACHE_DIR", str(tmp_path))
+    lib = ctypes.CDLL(str(cpu_ops.build(cpu_ops._compiler(), flags)))
+    lib.linear_blocks_simd.restype = ctypes.c_int
+    assert lib.linear_blocks_simd() == simd
+    function = lib.linear_blocks_f32
+    function.argtypes, function.restype = cpu_ops.SIGNATURES["linear_blocks_f32"], None
+    for kind, passes in (("Q4_0", 1), ("Q4_1", 2), ("Q8_0", 1), ("Q8_0", 2)):
+        for rows, out_features, in_features in ((1, 48, 576), (2, 64, 64), (9, 80, 1536), (64, 96, 576)):
+            blocks = cpu_ops.block_weight(gguf_weight(kind, out_features, in_features, seed=rows)[0])
+            x, bias = torch.randn(rows, in_features), torch.randn(out_features)
+            y = torch.empty(rows, out_features)
+            function(x.data_ptr(), None, blocks.tiles.data_ptr(), blocks.d.data_ptr(),
+                     None if blocks.m is None else blocks.m.data_ptr(), blocks.bits, passes, bias.data_ptr(),
+                     y.data_ptr(), rows, in_features, out_features, 2)
+            assert torch.equal(y, cpu_ops.linear_blocks(x, blocks, bias, passes=passes)), (kind, rows, passes)
