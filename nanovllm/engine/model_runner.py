@@ -69,7 +69,7 @@ class ModelRunner:
                      source=model_path if config.load_format != "dummy" else "dummy weights")
         if self.device.type == "cpu":
             # the CPU's matmuls are most of its time: each layer's linear method, chosen once (platforms/cpu/linear.py)
-            prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles)
+            prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles, config.cpu.block_passes)
 
         self.backend = make_attention_backend(config)
         self.sampler = Sampler()

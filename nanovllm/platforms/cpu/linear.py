@@ -131,16 +131,16 @@ class BlockLinear(LinearMethod):
 
     owns_weight = True
 
-    def __init__(self, weight: cpu_ops.BlockWeight):
-        self.weight = weight
+    def __init__(self, weight: cpu_ops.BlockWeight, passes: int = 2):
+        self.weight, self.passes = weight, passes
 
     def apply(self, layer, x, bias):
         if isinstance(x, RowScaled):
-            return cpu_ops.linear_blocks(x.values, self.weight, bias, x.scale)
-        return cpu_ops.linear_blocks(x, self.weight, bias)
+            return cpu_ops.linear_blocks(x.values, self.weight, bias, x.scale, self.passes)
+        return cpu_ops.linear_blocks(x, self.weight, bias, passes=self.passes)
 
 
-def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False) -> LinearMethod:
+def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False, block_passes: int = 2) -> LinearMethod:
     """The method of kind (settings.CPU_LINEAR_METHODS) for a float weight [out, in]; the default (F.linear on the
     float weight) where the kind does not take this weight (a bfloat16 weight under int8 or fp16, a shape the
     block kernels do not tile)."""
@@ -154,7 +154,7 @@ def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False) -> 
         return Int8Linear(weight, int8_tiles)
     if kind == "blocks":
         blocks = cpu_ops.block_weight(weight)
-        return UNQUANTIZED if blocks is None else BlockLinear(blocks)
+        return UNQUANTIZED if blocks is None else BlockLinear(blocks, block_passes)
     return UNQUANTIZED
 
 
@@ -172,11 +172,12 @@ def check_fbgemm(what: str) -> None:
                          f"{torch.backends.quantized.supported_engines}.")
 
 
-def prepare_model(model: torch.nn.Module, kind: str, int8_tiles: bool = False) -> int:
+def prepare_model(model: torch.nn.Module, kind: str, int8_tiles: bool = False, block_passes: int = 2) -> int:
     """Give every linear layer and the LM head of a loaded CPU model the method of kind; returns how many changed.
 
     kind: the config's ``cpu_linear`` (settings.CPU_LINEAR_METHODS). int8_tiles: int8's steps of many rows
-    through the compiled tiles (the config's ``cpu.int8_tiles``)."""
+    through the compiled tiles (the config's ``cpu.int8_tiles``); block_passes: the blocks' activation passes
+    (``cpu.block_passes``)."""
     if kind == "float":
         return 0
     if kind in ("int8", "fp16"):
@@ -191,7 +192,7 @@ def prepare_model(model: torch.nn.Module, kind: str, int8_tiles: bool = False) -
         if not hasattr(module, "linear_method") or module.weight.device.type != "cpu" or module.weight.dtype not in (
                 torch.float32, torch.bfloat16):
             continue
-        method = linear_method(module.weight, kind, int8_tiles)
+        method = linear_method(module.weight, kind, int8_tiles, block_passes)
         if method is not UNQUANTIZED:
             set_linear_method(module, method, release=users[id(module.weight)] == 1)
             count += 1

@@ -73,6 +73,16 @@ def pack_wanted() -> bool:
     return os.environ.get("NANOVLLM_CPU_PACK", "0") == "1" and torch.backends.mkldnn.is_available()
 
 
+def block_passes() -> int:
+    """How many int8 passes the block kernels quantize activations in: NANOVLLM_CPU_BLOCK_PASSES=1 (int8 blocks
+    of 32, as llama.cpp: faster for many rows, but SmolLM2's near-tied first token of "What is the capital of
+    France?" then goes the other way) or 2 (the default: the rounding's remainder as a second pass, ~15 bits)."""
+    value = os.environ.get("NANOVLLM_CPU_BLOCK_PASSES", "2")
+    if value not in ("1", "2"):
+        raise ValueError(f"NANOVLLM_CPU_BLOCK_PASSES must be 1 or 2, got {value!r}.")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class CpuSettings:
     """What the CPU can and is told to do, read once when an engine is configured."""
@@ -81,11 +91,12 @@ class CpuSettings:
     blocks: bool  # the block kernels run with SIMD here (blocks_available)
     int8_tiles: bool  # NANOVLLM_CPU_INT8_TILES, resolved
     pack: bool  # NANOVLLM_CPU_PACK
+    block_passes: int = 2  # NANOVLLM_CPU_BLOCK_PASSES
 
     @classmethod
     def detect(cls) -> CpuSettings:
         return cls(forced_dtype=forced_cpu_dtype(), blocks=blocks_available(), int8_tiles=int8_tiles_wanted(),
-                   pack=pack_wanted())
+                   pack=pack_wanted(), block_passes=block_passes())
 
 
 NO_CPU = CpuSettings(forced_dtype=None, blocks=False, int8_tiles=False, pack=False)  # an engine on CUDA
