@@ -13,15 +13,6 @@ pytestmark = [pytest.mark.gpu,
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def release_gpu_memory():
-    """Each engine sizes its KV pool from the free memory: the previous test's engine must be gone first
-    (CUDA graphs and compiled ops hold references in cycles, so only a collection frees it)."""
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def prompts():
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 16, 17, 40, 100, 255, 256, 300)]

@@ -14,13 +14,6 @@ pytestmark = [pytest.mark.gpu,
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def release_gpu_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def prompts():
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 16, 17, 40, 100, 255, 300)]

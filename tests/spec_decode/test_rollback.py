@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.batch import needs_sample
-from nanovllm.engine.block_manager import NO_HASH, xxh64_block_hash as block_hash
+from nanovllm.engine.block_manager import NO_HASH
+from nanovllm.engine.block_manager import xxh64_block_hash as block_hash
 from nanovllm.engine.scheduler import Scheduler, SchedulerConfig
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.config import SpeculativeConfig
