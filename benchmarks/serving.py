@@ -15,6 +15,13 @@ their lengths are exact; outputs use ``ignore_eos`` so they run to --output-len.
 then prompts are token ids drawn uniformly from --random-token-range [LOW, HIGH), which must lie inside the
 model's vocabulary (completions endpoint only: chat needs a tokenizer).
 
+It can also start the server itself (--launch MODEL, with --server-args), run the same requests through the
+offline engine in the same call for comparison (--offline), sweep several Poisson rates (--request-rates 8,16,32,64)
+and plot p50/p99 TTFT and TPOT against the rate (--plot FILE.png, matplotlib), e.g. the CPU proxy (a small random
+Qwen3: hidden 128, 2 layers, vocab 2048, written to a temporary folder)::
+
+    python benchmarks/serving.py --cpu-proxy --num-prompts 128 --input-len 32 --output-len 128 --offline
+
 Requests ask for vLLM's ``return_token_ids``, so tokens are counted from each chunk's ``token_ids`` (text may be
 empty, and always is without a tokenizer): TTFT runs to the first chunk with a token, ITL between chunks with
 tokens. A server that sends no ``token_ids`` is timed by the chunks with text instead.
@@ -27,8 +34,12 @@ import asyncio
 import json
 import os
 import random
+import shlex
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -75,7 +86,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--result-file", default=None, help="write the results here as JSON")
+    parser.add_argument("--request-rates", default=None,
+                        help="comma-separated Poisson rates to sweep, one run each (instead of --request-rate)")
+    parser.add_argument("--plot", default=None, help="with --request-rates: write a PNG of p50/p99 TTFT and TPOT "
+                        "against the rate here (needs matplotlib)")
+    parser.add_argument("--launch", default=None, metavar="MODEL",
+                        help="start `nanovllm serve MODEL` on a free port for the run (and stop it after)")
+    parser.add_argument("--server-args", default="", help="with --launch: more flags for the server, one string")
+    parser.add_argument("--cpu-proxy", action="store_true",
+                        help="--launch a small random Qwen3 (hidden 128, 2 layers, vocab 2048, dummy weights)")
+    parser.add_argument("--offline", action="store_true",
+                        help="with --launch: then run the same requests through the offline engine (same engine "
+                             "flags) in this process, and report the streamed/offline output throughput ratio")
+    parser.add_argument("--plot-from", default=None, metavar="JSON",
+                        help="only draw --plot from a sweep's result file (e.g. written on a machine without "
+                             "matplotlib)")
+    parser.add_argument("--offline-threads", type=int, default=None,
+                        help="with --offline on the CPU: torch threads of the offline engine (default: torch's own; "
+                             "the served core takes one less than that, leaving a core to the front end)")
     args = parser.parse_args(argv)
+    if args.cpu_proxy:
+        args.launch = args.launch or write_cpu_proxy()
+        args.server_args = f"--load-format dummy {args.server_args}"
+        if args.random_token_range == [100, 10000]:
+            args.random_token_range = [100, 2000]
+    if args.offline and not args.launch:
+        parser.error("--offline needs --launch (the engine flags of the server)")
     if not 0 <= args.random_range_ratio < 1:
         parser.error("--random-range-ratio must be in [0, 1)")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
@@ -180,6 +216,93 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int
     return result
 
 
+def write_cpu_proxy() -> str:
+    """A config.json of a small random Qwen3 (weights come from --load-format dummy) in a temporary folder."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "model_configs", "qwen3-0.6b", "config.json")) as f:
+        config = json.load(f)
+    config.update(hidden_size=128, intermediate_size=384, num_hidden_layers=2, max_window_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048, bos_token_id=1,
+                  eos_token_id=2, max_position_embeddings=4096, torch_dtype="float32")
+    folder = tempfile.mkdtemp(prefix="nanovllm-cpu-proxy-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+class LaunchedServer:
+    """`python -m nanovllm.server.serve MODEL` on a free port, until stopped."""
+
+    def __init__(self, model: str, server_args: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanovllm.server.serve", model, "--port", str(self.port),
+                                      "--no-access-log", "--log-level", "warning", *shlex.split(server_args)],
+                                     env=env)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time so far of the front end (the server process) and of its children (the engine core), from
+        /proc (Linux): a front end near 1 CPU-second per second is saturated (a case for more front ends)."""
+        def seconds(pid: int) -> float:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        try:
+            children = [int(c) for c in open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read().split()]
+            return {"front_end": seconds(self.proc.pid), "children": sum(seconds(c) for c in children)}
+        except (OSError, ValueError):
+            return {}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_offline(args, prompts: list[tuple[object, int, int]]) -> dict:
+    """The same requests (token-id prompts, output lengths) through ``LLM.generate`` with the server's engine flags,
+    after one warm-up call: output tok/s of the whole call, as benchmarks/throughput.py counts it."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine_args import engine_kwargs
+    from nanovllm.server.serve import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    served = parser.parse_args([args.launch, *shlex.split(args.server_args)])
+    if args.offline_threads:
+        import torch
+        torch.set_num_threads(args.offline_threads)
+    llm = LLM(**engine_kwargs(served))
+    try:
+        ids = [p if isinstance(p, list) else llm.tokenize_prompt(p)[1] for p, _, _ in prompts]
+        params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for _, _, m in prompts]
+        llm.generate(ids[:8], params[:8], use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(ids, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        llm.close()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"offline_seconds": seconds, "offline_output_tokens": tokens, "offline_output_throughput": tokens / seconds}
+
+
 async def run(args) -> dict:
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -208,6 +331,7 @@ async def run(args) -> dict:
             async with semaphore:
                 return await send(client, path, body, prompt_len)
 
+        args.prompts = prompts  # for --offline
         start = time.perf_counter()
         tasks = []
         for prompt, prompt_len, output_len in prompts:
@@ -277,19 +401,88 @@ def print_table(s: dict, percentiles: list[str]) -> None:
         print(f"error: {error}", file=sys.stderr)
 
 
+def plot(runs: list[dict], path: str) -> None:
+    """p50 and p99 TTFT and TPOT against the request rate, two panels, as PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["request_rate"] for r in runs]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in [(axes[0], "ttft", "Time to first token"), (axes[1], "tpot", "Time per output token")]:
+        ax.plot(rates, [r[f"median_{key}_ms"] for r in runs], "o-", label="p50")
+        ax.plot(rates, [r[f"p99_{key}_ms"] for r in runs], "s--", label="p99")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    name = os.path.basename(str(runs[0]["model"]).rstrip("/"))
+    figure.suptitle(f"{name}: {runs[0]['num_prompts']} requests, {runs[0]['input_len']} in / "
+                    f"{runs[0]['output_len']} out (+-{runs[0]['random_range_ratio']:.0%})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run_all(args) -> dict:
+    """One run, or a sweep over --request-rates; with --launch around a server of our own, then --offline."""
+    server = LaunchedServer(args.launch, args.server_args) if args.launch else None
+    if server is not None:
+        args.base_url = server.url
+    try:
+        if args.request_rates:
+            runs = []
+            for rate in [float(r) for r in args.request_rates.split(",")]:
+                args.request_rate = rate
+                runs.append(asyncio.run(run(args)))
+                print_table(runs[-1], _percentiles(args))
+            result = {"runs": runs}
+        else:
+            before = server.cpu_seconds() if server is not None else {}
+            result = asyncio.run(run(args))
+            after = server.cpu_seconds() if server is not None else {}
+            for name in set(before) & set(after):  # CPU-seconds per second of the run, per process
+                result[f"{name}_cpu_per_s"] = (after[name] - before[name]) / result["duration"]
+            print_table(result, _percentiles(args))
+            if "front_end_cpu_per_s" in result:
+                print(f"server CPU per second of the run: front end {result['front_end_cpu_per_s']:.2f}, "
+                      f"engine core and other children {result.get('children_cpu_per_s', 0):.2f}")
+    finally:
+        if server is not None:
+            server.stop()
+    if args.offline:
+        offline = run_offline(args, args.prompts)
+        streamed = result["runs"][-1] if "runs" in result else result
+        result.update(offline, ratio_to_offline=streamed["output_throughput"] / offline["offline_output_throughput"])
+        print(f"offline: {offline['offline_output_throughput']:.0f} out tok/s; streamed / offline = "
+              f"{result['ratio_to_offline']:.3f}")
+    return result
+
+
+def _percentiles(args) -> list[str]:
+    return [p.strip() for p in args.percentiles.split(",") if p.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            plot(json.load(f)["runs"], args.plot or os.path.splitext(args.plot_from)[0] + ".png")
+        return 0
     try:
-        summary = asyncio.run(run(args))
+        result = run_all(args)
     except (httpx.HTTPError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print_table(summary, [p.strip() for p in args.percentiles.split(",") if p.strip()])
     if args.result_file:
         os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
         with open(args.result_file, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0 if summary["failed"] == 0 else 1
+            json.dump(result, f, indent=2)
+    if args.plot and "runs" in result:
+        plot(result["runs"], args.plot)
+    runs = result.get("runs", [result])
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,14 @@
 
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "StructuredOutputsParams",
+    "RequestOutputKind",
+]
 __version__ = "0.1.0"

@@ -60,6 +60,8 @@ class LLM:
     tokenize_prompt = _engine_attribute("tokenize_prompt")
     validate_request = _engine_attribute("validate_request")
     check_structured_outputs = _engine_attribute("check_structured_outputs")
+    apply_chat_template = _engine_attribute("apply_chat_template")
+    stop_sample = _engine_attribute("stop_sample")
     decode = _engine_attribute("decode")
     # what the engine is and holds
     config = _engine_attribute("config")
@@ -69,6 +71,8 @@ class LLM:
     eos_token_ids = _engine_attribute("eos_token_ids")
     vocab_size = _engine_attribute("vocab_size")
     max_model_len = _engine_attribute("max_model_len")
+    input_processor = _engine_attribute("input_processor")
+    request_limits = _engine_attribute("request_limits")
     num_kvcache_blocks = _engine_attribute("num_kvcache_blocks")
     last_step = _engine_attribute("last_step")
     requests = _engine_attribute("requests")
@@ -140,20 +144,6 @@ class LLM:
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it has no chat template.")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; use generate() with a plain prompt.")
-        for message in conversation:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"each chat message must be a dict with 'role' and 'content', got {message!r}.")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **(chat_template_kwargs or {}))
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def get_tokenizer(self):
         return self.tokenizer

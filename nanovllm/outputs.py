@@ -1,6 +1,8 @@
 """Results shaped like vLLM's: a RequestOutput per prompt holding one CompletionOutput per sample.
 
-Both also answer dict-style access (``out["text"]``), which older callers of this engine use.
+Both also answer dict-style access (``out["text"]``), which older callers of this engine use. What an output
+holds follows its request's ``SamplingParams.output_kind``: everything so far (CUMULATIVE), only what is new since
+the request's previous output (DELTA), or everything once finished (FINAL_ONLY).
 """
 
 from __future__ import annotations
@@ -68,6 +70,28 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold a later DELTA output of the same request into this one (a consumer that fell behind reads both
+        at once): texts, token ids and logprobs are appended, finish fields and counters taken from ``later``."""
+        by_index = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            mine = by_index.get(c.index)
+            if mine is None:
+                self.outputs.append(c)
+                by_index[c.index] = c
+                continue
+            mine.text += c.text
+            mine.token_ids = mine.token_ids + c.token_ids
+            if c.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + c.logprobs
+            mine.cumulative_logprob = c.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
 
     def __getitem__(self, key: str):
         if key in ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "num_cached_tokens",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from dataclasses import dataclass
@@ -10,6 +11,14 @@ from dataclasses import dataclass
 SAMPLING_EPS = 1e-5
 # The most top-logprobs a request may ask for, per generated or prompt token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a streamed request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far: text, token ids and logprobs
+    DELTA = 1  # only what is new since the previous output of the request
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
 
 
 def _check_number(name: str, value, *, integer: bool = False) -> None:
@@ -175,6 +184,11 @@ class SamplingParams:
       allowed_token_ids: only these tokens can be sampled (vLLM's).
       bad_words: words never generated (vLLM's): a word's last token is banned whenever the output ends with
         the word's other tokens (with and without a leading space).
+      output_kind: a RequestOutputKind; what a streamed request's outputs hold (offline ``generate`` returns the
+        finished outputs whatever it is).
+
+    Plain data only (numbers, strings, lists, dicts, an int enum, a StructuredOutputsParams): a request's params cross the process boundary to the
+    engine core as they are.
     """
 
     n: int = 1
@@ -201,6 +215,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check_number("n", self.n, integer=True)
@@ -251,6 +266,12 @@ class SamplingParams:
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
+
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.") from None
 
         if self.stop is None:
             stops = []

@@ -20,6 +20,10 @@ alone: its stream raises RequestFailedError, its blocks are freed, and the loop 
 
 Callers may read the engine's fixed attributes (tokenizer, max_model_len, ``validate_request``,
 ``tokenize_prompt``, ``apply_chat_template``) from their own threads; nothing else.
+
+This is the in-process form (a thread beside the caller's event loop), for tests and embedding; ``nanovllm serve``
+runs the engine in a process of its own behind ``nanovllm.engine.core_client.AsyncEngineClient``, which has the
+same interface.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +101,7 @@ class _RequestState:
     num_generation_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def deliver(self, item: RequestOutput | BaseException) -> None:
         try:
@@ -130,14 +136,16 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 class RequestStream:
     """The outputs of one request, as an async iterator; ``close()`` aborts the request if it is unfinished.
 
-    Outputs are cumulative (text and tokens so far), so when several are ready only the newest is returned.
-    A cancelled iteration aborts the request too: a caller that is gone frees its KV blocks at once.
+    When several outputs are ready they come as one: the newest (CUMULATIVE), or all of them folded together
+    (DELTA). A cancelled iteration aborts the request too: a caller that is gone frees its KV blocks at once.
+    ``llm`` is whatever serves the request: anything with ``abort(request_id)``.
     """
 
-    def __init__(self, llm: AsyncLLM, request_id: str, state: _RequestState):
+    def __init__(self, llm, request_id: str, state: _RequestState, delta: bool = False):
         self.llm = llm
         self.request_id = request_id
         self._outputs = state.outputs
+        self._delta = delta
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -152,7 +160,11 @@ class RequestStream:
             self.close()
             raise
         while not self._outputs.empty() and not isinstance(item, BaseException):
-            item = self._outputs.get_nowait()
+            later = self._outputs.get_nowait()
+            if self._delta and not isinstance(later, BaseException):
+                item.add(later)
+            else:
+                item = later
         if isinstance(item, BaseException):
             self.finished = True  # the engine side has already forgotten the request
             raise item
@@ -169,7 +181,66 @@ class RequestStream:
         self.close()
 
 
-class AsyncLLM:
+class EngineClient:
+    """What the server needs of an engine, whether stepped in process (AsyncLLM) or in a process of its own
+    (``core_client.AsyncEngineClient``): admission, request streams, the request checks (``inputs``)."""
+
+    inputs: InputProcessor
+    max_num_seqs: int
+    max_queued_requests: int | None
+    draining: bool  # set by stop_admissions(): in-flight requests finish, new ones are refused
+    error: BaseException | None
+
+    num_in_flight: int
+    is_running: bool
+
+    def add_request(self, prompt, sampling_params: SamplingParams, request_id: str) -> RequestStream:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        return self.inputs.tokenize_prompt(prompt)
+
+    def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.inputs.validate_request(token_ids, params)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        return self.inputs.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
+
+    def check_structured_outputs(self, constraint) -> None:
+        """Compile a StructuredOutputsParams now; ValueError naming the problem if it cannot be used."""
+        raise NotImplementedError
+
+    def check_admission(self) -> None:
+        """Raise EngineDeadError or QueueFullError if a new request cannot be taken now."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine has stopped{f': {self.error!r}' if self.error else ''}.")
+        if self.draining:
+            raise EngineDeadError("the server is shutting down: it takes no new requests.")
+        if self.max_queued_requests is not None:
+            limit = self.max_num_seqs + self.max_queued_requests
+            if self.num_in_flight >= limit:
+                raise QueueFullError(f"the server has {self.num_in_flight} requests in flight, its limit; "
+                                     "retry later.")
+
+    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a new request (as its output_kind says) until the finished one; leaving early aborts it."""
+        stream = self.add_request(prompt, sampling_params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def stop_admissions(self) -> None:
+        """Refuse new requests from now on (EngineDeadError), and let those in flight finish: a graceful drain."""
+        self.draining = True
+
+
+class AsyncLLM(EngineClient):
     """Serves an engine (``nanovllm.LLM``) to many asyncio callers at once.
 
     ``max_queued_requests``: how many requests may wait beyond the engine's ``max_num_seqs`` running ones
@@ -180,6 +251,7 @@ class AsyncLLM:
     def __init__(self, engine, *, max_queued_requests: int | None = None,
                  stats_listeners: list[StatsListener] | None = None):
         self.engine = engine
+        self.inputs = engine.input_processor
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.max_queued_requests = max_queued_requests
@@ -191,7 +263,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders add_request() against closing
         self._closed = False
-        self.draining = False  # set by stop_admissions(): in-flight requests finish, new ones are refused
+        self.draining = False
         self._requests: dict[str, _RequestState] = {}  # engine-thread side only
         self._counters = self._read_counters()
         self._spec_counters: tuple[int, int, int, list[int]] = (0, 0, 0, [])
@@ -204,6 +276,22 @@ class AsyncLLM:
         from nanovllm.llm import LLM
         return cls(LLM(model, **engine_args), max_queued_requests=max_queued_requests)
 
+    # -- what the front end reads (fixed) ------------------------------------------------------------------------
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.max_num_seqs
+
+    def check_structured_outputs(self, constraint) -> None:
+        self.engine.check_structured_outputs(constraint)  # the engine's cache keeps it for the request
+
     # -- caller side (event loop) -----------------------------------------------------------------------------
     @property
     def num_in_flight(self) -> int:
@@ -213,18 +301,6 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return not self._closed and self._thread.is_alive()
-
-    def check_admission(self) -> None:
-        """Raise EngineDeadError or QueueFullError if a new request cannot be taken now."""
-        if not self.is_running:
-            raise EngineDeadError(f"the engine has stopped{f': {self.error!r}' if self.error else ''}.")
-        if self.draining:
-            raise EngineDeadError("the server is shutting down: it takes no new requests.")
-        if self.max_queued_requests is not None:
-            limit = self.engine.config.max_num_seqs + self.max_queued_requests
-            if self.num_in_flight >= limit:
-                raise QueueFullError(f"the server has {self.num_in_flight} requests in flight, its limit; "
-                                     "retry later.")
 
     def add_request(self, prompt, sampling_params: SamplingParams, request_id: str) -> RequestStream:
         """Queue a request for the engine's next step; iterate the returned stream for its outputs.
@@ -237,24 +313,12 @@ class AsyncLLM:
             self.check_admission()
             self._num_added += 1
             self._commands.put(("add", request_id, prompt, sampling_params, state))
-        return RequestStream(self, request_id, state)
-
-    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs (cumulative) of a new request until the finished one; leaving early aborts it."""
-        stream = self.add_request(prompt, sampling_params, request_id)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
+        delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
+        return RequestStream(self, request_id, state, delta)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread): it leaves the batch and frees its KV blocks before the next step."""
         self._commands.put(("abort", request_id))
-
-    def stop_admissions(self) -> None:
-        """Refuse new requests from now on (EngineDeadError), and let those in flight finish: a graceful drain."""
-        self.draining = True
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort what is left, stop the loop and release the engine."""
@@ -314,6 +378,7 @@ class AsyncLLM:
                     self._num_done += 1
                     state.deliver(e)
                     continue
+                state.output_kind = params.output_kind
                 self._requests[request_id] = state
             elif kind == "abort":
                 self._abort(command[1], stats)
@@ -341,11 +406,11 @@ class AsyncLLM:
             if state is None:
                 continue
             try:
+                num_generated = self._num_generated(request_id)
                 output, error = self._take_output(request_id)
             except Exception as e:  # a per-request fault the engine did not contain: still this request's alone
                 self._fail(request_id, state, e, stats, now)
                 continue
-            num_generated = sum(len(c.token_ids) for c in output.outputs)
             if num_generated > state.num_generation_tokens:
                 if state.first_token_time is None:
                     state.first_token_time = now
@@ -361,8 +426,14 @@ class AsyncLLM:
                 reason = "error" if error is not None else next(
                     (c.finish_reason for c in output.outputs if c.finish_reason), "stop")
                 stats.finished.append(self._finished_stats(state, output, reason, now))
-            deliveries.add(state, output if error is None else RequestFailedError(f"the request failed: {error}"))
+            if error is not None:
+                deliveries.add(state, RequestFailedError(f"the request failed: {error}"))
+            elif output.finished or state.output_kind != RequestOutputKind.FINAL_ONLY:
+                deliveries.add(state, output)
         deliveries.send()
+
+    def _num_generated(self, request_id: str) -> int:
+        return sum(sample.seq.num_completion_tokens for sample in self.engine.requests[request_id].samples)
 
     def _take_output(self, request_id: str) -> tuple[RequestOutput, str | None]:
         """The request's output, and why it failed (None if it did not); a finished request is forgotten."""

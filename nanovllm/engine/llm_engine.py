@@ -6,25 +6,24 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
+from nanovllm.chat_template import apply_chat_template
 from nanovllm.config import EngineConfig, model_max_len
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.input_processor import InputProcessor, Prompt, RequestLimits
 from nanovllm.engine.sampling import RunnerOutput, TokenLogprobs
 from nanovllm.engine.scheduler import Scheduler, SchedulerConfig
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.loader.source import resolve_model
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from nanovllm.structured_outputs import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
 # A step with nothing to run but requests whose grammar compiles waits this long for one (seconds).
 GRAMMAR_WAIT_SECONDS = 0.05
-
-Prompt = str | list[int] | dict
 
 
 @dataclass
@@ -35,6 +34,8 @@ class SampleState:
     detokenizer: IncrementalDetokenizer | None  # None without a tokenizer or with detokenize=False
     logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs
     cumulative_logprob: float | None = None
+    num_sent_tokens: int = 0  # token ids (and logprobs) already in an output, for output_kind DELTA
+    num_sent_chars: int = 0  # text already in an output, for output_kind DELTA
 
 
 @dataclass
@@ -109,66 +110,24 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling_enabled and hasattr(self.runner, "launch")
         self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self._compiling: list[Sequence] = []  # requests held back until their grammar is compiled
+        self.request_limits = RequestLimits(
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            kv_capacity_tokens=self.num_kvcache_blocks * config.kvcache_block_size,
+            supports_prompt_logprobs=(config.tensor_parallel_size == 1
+                                      or getattr(self.runner, "supports_prompt_logprobs", False)))
+        self.input_processor = InputProcessor(self.tokenizer, self.request_limits)
 
     # -- requests -------------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a string, a list of token ids, or {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'.")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: give at least one token.")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompts as lists of token ids.")
-            check_unicode(prompt, "the prompt")
-            return prompt, self._check_token_ids(self.tokenizer.encode(prompt))
-        if isinstance(prompt, SequenceABC):
-            return None, self._check_token_ids(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
-
-    def _check_token_ids(self, token_ids) -> list[int]:
-        token_ids = list(token_ids)
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token.")
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size}).")
-        return token_ids
+        return self.input_processor.tokenize_prompt(prompt)
 
     def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, but max_model_len is {self.max_model_len}: it must be "
-                             f"shorter, leaving room for at least one generated token.")
-        longest = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
-        capacity = self.num_kvcache_blocks * self.config.kvcache_block_size
-        if longest > capacity:
-            raise ValueError(f"the request needs up to {longest} tokens of KV cache (prompt {n} + max_tokens "
-                             f"{params.max_tokens}), but the whole pool holds {capacity}; raise "
-                             f"num_kvcache_blocks or the KV cache memory, or lower max_tokens.")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {params.stop!r} need a tokenizer, and this model has none; "
-                             "use stop_token_ids.")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size}).")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids",
-                                                                   params.allowed_token_ids or ())):
-            for t in ids:
-                if t >= self.vocab_size:
-                    raise ValueError(f"{name} holds token id {t}, outside the vocabulary [0, {self.vocab_size}).")
-        if (params.structured_outputs is not None or params.bad_words) and self.tokenizer is None:
-            raise ValueError("structured_outputs and bad_words need a tokenizer, and this model has none.")
-        if (params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1
-                and not getattr(self.runner, "supports_prompt_logprobs", False)):
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet.")
+        self.input_processor.validate_request(token_ids, params)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        return apply_chat_template(self.tokenizer, conversation, add_generation_prompt, chat_template_kwargs)
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -281,6 +240,15 @@ class LLMEngine:
                 seq.finish_reason = "abort"
             aborted = True
         return aborted
+
+    def stop_sample(self, request_id: str, index: int, stop: str) -> bool:
+        """End one sample whose text reached the stop string ``stop`` (found by a caller that detokenizes the
+        outputs itself); it leaves the batch and frees its KV blocks now. False if it had finished already."""
+        state = self.requests.get(request_id)
+        if state is None or index >= len(state.samples) or state.samples[index].seq.is_finished:
+            return False
+        self.scheduler.finish(state.samples[index].seq, "stop", stop)
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's content, as vLLM's LLM.reset_prefix_cache (e.g. between benchmark runs);
@@ -488,24 +456,34 @@ class LLMEngine:
 
     # -- outputs ------------------------------------------------------------------------------------------------
     def make_output(self, request_id: str) -> RequestOutput:
-        """The request's output so far (cumulative): one CompletionOutput per sample, index 0..n-1.
+        """The request's output now, one CompletionOutput per sample (index 0..n-1), as its ``output_kind`` says:
+        everything so far (CUMULATIVE, FINAL_ONLY) or only what is new since the previous call (DELTA).
 
         For streaming. While a sample is unfinished, its ``text`` is the text of its tokens so far, minus any
         ending that could still become the start of a stop string (held back until decided) and minus an
-        incomplete multi-byte character; so between two calls ``text`` only grows (take the new suffix as the
-        delta), and the finished text is final (stop string cut, unless include_stop_str_in_output). token_ids
+        incomplete multi-byte character; so between two calls ``text`` only grows (a DELTA output holds the new
+        suffix), and the finished text is final (stop string cut, unless include_stop_str_in_output). token_ids
         and logprobs (one entry per token id) also only grow. Call it from the thread that steps the engine.
         """
         state = self.requests[request_id]
+        delta = state.params.output_kind == RequestOutputKind.DELTA
         # texts first: a sample whose text fails ends the whole request, before any output is built
         texts = [self._sample_text(state, sample) for sample in state.samples]
         outputs = []
         for sample, text in zip(state.samples, texts, strict=True):
             seq = sample.seq
+            if delta:  # slices of what is new only: no work that grows with the output's length
+                first = sample.num_sent_tokens
+                token_ids = seq.token_ids[seq.num_prompt_tokens + first:]
+                logprobs = sample.logprobs[first:] if sample.logprobs is not None else None
+                sample.num_sent_tokens += len(token_ids)
+                text, sample.num_sent_chars = text[sample.num_sent_chars:], len(text)
+            else:
+                token_ids = seq.completion_token_ids
+                logprobs = list(sample.logprobs) if sample.logprobs is not None else None
             outputs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.completion_token_ids, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, cumulative_logprob=sample.cumulative_logprob,
-                logprobs=list(sample.logprobs) if sample.logprobs is not None else None))
+                index=seq.index, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs))
         prompt_logprobs = list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
         return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
                              outputs=outputs, finished=state.finished, num_cached_tokens=state.num_cached_tokens or 0,
@@ -565,11 +543,3 @@ class _FinishedStep:
     def result(self) -> RunnerOutput:
         return self.output
 
-
-def check_unicode(text: str, what: str) -> None:
-    """Raise ValueError if ``text`` cannot be encoded as UTF-8 (a lone surrogate, e.g. from a JSON "\\ud800")."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode text: it holds a lone surrogate "
-                         f"{text[e.start]!r} at character {e.start}.") from None

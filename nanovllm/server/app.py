@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app: completions, chat, models, tokenize, health and metrics over an AsyncLLM.
+"""The OpenAI-compatible HTTP app: completions, chat, models, tokenize, health and metrics over an EngineClient.
 
 Every failure a client can cause answers in OpenAI's error shape with a 4xx status; a client that disconnects
 has its requests aborted at once (their KV blocks are freed before the engine's next step). A fault while the
@@ -33,14 +33,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.engine.async_engine import (
-    AsyncLLM,
+    EngineClient,
     EngineDeadError,
     QueueFullError,
     RequestFailedError,
     RequestStream,
 )
 from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.server.chat_output import ChatChoiceOutput
+from nanovllm.server.defaults import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from nanovllm.server.metrics import ServerMetrics
 from nanovllm.server.protocol import (
     APIError,
@@ -61,7 +63,6 @@ from nanovllm.server.protocol import (
     usage,
 )
 from nanovllm.server.reasoning import ReasoningSplitter, check_reasoning_parser
-from nanovllm.server.serve import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from nanovllm.server.tools import (
     ToolError,
     ToolPlan,
@@ -76,7 +77,7 @@ OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
 RETRY_AFTER_SECONDS = 1
 
 
-def build_app(llm: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
+def build_app(llm: EngineClient, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_request_body_bytes: int | None = None, max_n: int | None = DEFAULT_MAX_N,
               max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
@@ -90,7 +91,7 @@ def build_app(llm: AsyncLLM, *, served_model_names: list[str] | None = None, api
     """
     check_tool_call_parser(tool_call_parser, enable_auto_tool_choice)
     check_reasoning_parser(reasoning_parser)
-    server = OpenAIServer(llm, served_model_names or [llm.engine.model_path], max_n=max_n,
+    server = OpenAIServer(llm, served_model_names or [llm.model_path], max_n=max_n,
                           max_prompts_per_request=max_prompts_per_request, tool_call_parser=tool_call_parser,
                           enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
 
@@ -245,7 +246,7 @@ class BodySizeLimitMiddleware:
 
 # -- the endpoints ----------------------------------------------------------------------------------------------
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str], *, max_n: int | None = DEFAULT_MAX_N,
+    def __init__(self, llm: EngineClient, served_model_names: list[str], *, max_n: int | None = DEFAULT_MAX_N,
                  max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None):
@@ -253,7 +254,6 @@ class OpenAIServer:
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser
-        self.engine = llm.engine
         self.tokenizer = llm.tokenizer
         self.model_names = list(served_model_names)
         self.model_name = self.model_names[0]
@@ -278,7 +278,7 @@ class OpenAIServer:
     async def models(self) -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": self.created, "owned_by": "nanovllm",
-             "root": self.engine.model_path, "parent": None, "max_model_len": self.llm.max_model_len}
+             "root": self.llm.model_path, "parent": None, "max_model_len": self.llm.max_model_len}
             for name in self.model_names]}
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
@@ -297,7 +297,7 @@ class OpenAIServer:
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         self._check_model(body.model)
         self._need_tokenizer()
-        vocab_size = self.engine.vocab_size
+        vocab_size = self.llm.vocab_size
         for t in body.tokens:
             if not 0 <= t < vocab_size:
                 raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab_size}).", param="tokens")
@@ -487,7 +487,7 @@ class OpenAIServer:
             out = []
             for i, p in enumerate(prompt):
                 try:
-                    out.append(self.engine.tokenize_prompt(p))
+                    out.append(self.llm.tokenize_prompt(p))
                 except ValueError as e:
                     raise bad_request(f"prompt {i}: {e}" if len(prompt) > 1 else str(e), param="prompt") from None
             return out
@@ -507,7 +507,7 @@ class OpenAIServer:
 
         def render() -> list[int]:
             try:
-                return self.engine.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
+                return self.llm.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
             except Exception as e:  # the template ran on the client's messages and kwargs: their fault, not ours
                 raise bad_request(f"cannot apply the chat template: {type(e).__name__}: {e}",
                                   param="messages") from None
@@ -538,16 +538,18 @@ class OpenAIServer:
         if constraint is None:
             return
         try:
-            await asyncio.to_thread(self.engine.check_structured_outputs, constraint)
+            await asyncio.to_thread(self.llm.check_structured_outputs, constraint)
         except ValueError as e:
             raise bad_request(str(e), param=param or "structured_outputs") from None
 
     def _params(self, body, token_ids: list[int], constraint=None):
         params = sampling_params(body, len(token_ids), self.llm.max_model_len, constraint)
+        # a stream sends what is new each step; a plain answer needs the finished output only
+        params.output_kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         if self.max_n is not None and params.n > self.max_n:
             raise bad_request(f"n must be at most {self.max_n} on this server, got {params.n}.", param="n")
         try:
-            self.engine.validate_request(token_ids, params)
+            self.llm.validate_request(token_ids, params)
         except ValueError as e:  # e.g. more KV cache than the whole pool, or stop ids outside the vocabulary
             message = str(e)
             param = param_named_in(message, [f.name for f in dataclasses.fields(params)])
@@ -598,26 +600,25 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 class _Progress:
-    """What has been streamed of each choice, to turn cumulative outputs into deltas."""
+    """What has been streamed of each choice (its outputs are DELTA: each holds only what is new)."""
 
     def __init__(self):
-        self.sent: dict[int, tuple[int, int, bool]] = {}  # index -> (chars of text, tokens, finished)
+        self.tokens: dict[int, int] = {}  # index -> tokens streamed
+        self.done: set[int] = set()  # choices whose finish was streamed
 
     def advance(self, index: int, c) -> tuple[str, list[int], list | None, bool]:
         """(new text, new token ids, their logprobs, whether it just finished) of choice ``index``."""
-        chars, tokens, done = self.sent.get(index, (0, 0, False))
-        if done:
+        if index in self.done:
             return "", [], None, False
         finish = c.finish_reason is not None
-        delta = c.text[chars:]
-        new_ids = c.token_ids[tokens:]
-        new_logprobs = c.logprobs[tokens:] if c.logprobs is not None else None
-        self.sent[index] = (len(c.text), len(c.token_ids), finish)
-        return delta, new_ids, new_logprobs, finish
+        if finish:
+            self.done.add(index)
+        self.tokens[index] = self.tokens.get(index, 0) + len(c.token_ids)
+        return c.text, c.token_ids, c.logprobs, finish
 
     @property
     def num_tokens(self) -> int:
-        return sum(tokens for _, tokens, _ in self.sent.values())
+        return sum(self.tokens.values())
 
 
 class _Job:
@@ -628,7 +629,7 @@ class _Job:
     watched, so a client that leaves aborts them even if their response never starts.
     """
 
-    def __init__(self, llm: AsyncLLM, raw: Request, request_id: str, prompts: list[Any], params: list):
+    def __init__(self, llm: EngineClient, raw: Request, request_id: str, prompts: list[Any], params: list):
         self.llm = llm
         self.raw = raw
         self.request_id = request_id

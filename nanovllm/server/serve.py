@@ -3,8 +3,11 @@
 Every engine argument (a field of EngineConfig) is also a flag: ``max_num_seqs`` is ``--max-num-seqs``.
 Run directly with ``python -m nanovllm.server.serve MODEL --port 8000``.
 
-SIGTERM (or SIGINT) drains: new requests are refused at once (503, and /health says 503), requests in flight
-run to their end for up to --timeout-graceful-shutdown seconds, then the engine stops and the process exits 0.
+The engine runs in a process of its own (``nanovllm.engine.core``); this process serves HTTP, tokenizes and
+detokenizes. SIGTERM (or SIGINT) drains: new requests are refused at once (503, and /health says 503), requests
+in flight run to their end for up to --timeout-graceful-shutdown seconds, then the engine stops and the process
+exits 0. If the engine process dies, open streams end with an error event, /health and new requests get 503, and
+the server exits with status 1 within seconds.
 """
 
 from __future__ import annotations
@@ -14,17 +17,20 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from nanovllm.engine_args import add_engine_args, engine_kwargs
+from nanovllm.server.defaults import (  # noqa: F401 (API_KEY_ENV is part of this module's interface)
+    API_KEY_ENV,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MODEL_NAME,
+)
 
-API_KEY_ENV = "NANOVLLM_API_KEY"
-# The OpenAI API's own cap on n: any n a client may send to OpenAI is served; more would let one request fan out
-# into unbounded work (each sample is a sequence of its own).
-DEFAULT_MAX_N = 128
-# Prompts in one /v1/completions request (each becomes an engine request): batch clients stay well under it, and
-# it bounds the work one body can ask for.
-DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# After the engine process died: how long /health keeps answering 503 (for load balancers) before the exit.
+DEAD_ENGINE_EXIT_DELAY_S = 3.0
+EXIT_ENGINE_DIED = 1
+
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +81,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (what ``run_server`` serves)."""
-    from nanovllm.engine.async_engine import AsyncLLM
+    from nanovllm.engine.core_client import AsyncEngineClient
     from nanovllm.server.app import build_app
 
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
@@ -86,7 +92,7 @@ def build_app_from_args(args: argparse.Namespace):
     from nanovllm.server.tools import check_tool_call_parser
     check_tool_call_parser(args.tool_call_parser, args.enable_auto_tool_choice)  # before the model loads
     kwargs = engine_kwargs(args)  # the positional MODEL is among them, as "model"
-    llm = AsyncLLM.from_engine_args(max_queued_requests=args.max_queued_requests, **kwargs)
+    llm = AsyncEngineClient.from_engine_args(max_queued_requests=args.max_queued_requests, **kwargs)
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     return build_app(llm, served_model_names=names, api_key=args.api_key,
                      max_request_body_bytes=args.max_request_body_bytes or None, max_n=args.max_n,
@@ -122,7 +128,20 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     server.handle_exit = handle_exit  # what uvicorn installs for SIGINT and SIGTERM
-    server.run()
+
+    def engine_died() -> None:  # from the client's output thread, once every open request has been failed
+        def leave() -> None:
+            server.should_exit = True
+        threading.Timer(DEAD_ENGINE_EXIT_DELAY_S, leave).start()
+
+    llm.on_dead.append(engine_died)
+    try:
+        server.run()
+    finally:
+        llm.shutdown()  # (the app's shutdown did it already, unless uvicorn failed to start)
+    if llm.error is not None:
+        logging.getLogger(__name__).error("exiting: %s", llm.error)
+        return EXIT_ENGINE_DIED
     return 0
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.async_engine import AsyncLLM, EngineDeadError, IterationStats, QueueFullError
+from nanovllm.sampling_params import RequestOutputKind
 from tests.server.conftest import wait_idle
 
 
@@ -168,3 +169,25 @@ def test_a_step_wakes_each_event_loop_once(llm):
     assert all(sum(len(c.token_ids) for c in r[-1].outputs) == 8 for r in results)
     # 4 requests x 8 tokens would be 32 hand-overs one per request; the batch runs ~9 steps (prefill + 7 decodes)
     assert len(calls) <= 12, f"{len(calls)} hand-overs for 4 requests of 8 tokens"
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_output_kinds_add_up_to_the_cumulative_output(llm, kind):
+    """DELTA outputs hold only what is new (joined: the cumulative output); FINAL_ONLY gives one, finished."""
+    base = dict(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, n=2, logprobs=1, stop=["ow"])
+
+    async def main():
+        cumulative = await collect(llm, "Hello, world!", SamplingParams(**base), "c")
+        other = await collect(llm, "Hello, world!", SamplingParams(**base, output_kind=kind), "k")
+        return cumulative, other
+
+    cumulative, other = asyncio.run(main())
+    final = cumulative[-1]
+    if kind == RequestOutputKind.FINAL_ONLY:
+        assert len(other) == 1 and other[0].outputs == final.outputs
+        return
+    assert len(other) >= 2  # (a consumer that falls behind gets several steps folded into one)
+    joined = other[0]
+    for later in other[1:]:  # cumulative outputs joined would repeat their tokens and text
+        joined.add(later)
+    assert joined.outputs == final.outputs and joined.finished

@@ -16,9 +16,10 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 def streamed(output: ChatChoiceOutput, text: str, step: int = 1) -> tuple[str, str, list[tuple[str, str]]]:
     """(reasoning, content, [(name, arguments)]) assembled from deltas of every ``step`` characters."""
-    reasoning, content, calls = "", "", {}
+    reasoning, content, calls, start = "", "", {}, 0
     for end in list(range(step, len(text), step)) + [len(text)]:
-        delta = output.delta(text[:end], final=end == len(text))
+        delta = output.delta(text[start:end], final=end == len(text))
+        start = end
         reasoning += delta.get("reasoning_content", "")
         content += delta.get("content", "")
         for call in delta.get("tool_calls", []):

@@ -1,0 +1,219 @@
+"""The engine core in a process of its own: it admits, schedules, steps and samples, and after each step sends
+one message with only what is new (per sample: the new token ids, the finish reason, new logprobs).
+
+```
+  front end (HTTP, tokenizer, detokenizer, stop strings)          engine core process (this module)
+  ──────────────────────────────────────────────────────          ─────────────────────────────────
+  ("add", id, prompt ids, params)  ─┐                       ┌─▶ engine.add_request (no text: no detokenizer)
+  ("abort", [ids])                  ├─ one duplex pipe ─────┤   engine.step() while there is work
+  ("stop_sample", id, i, string)    │  (pickled tuples)     │
+  ("stop",)                        ─┘                       └── ("step", [SampleDelta...], CoreStats) per step
+```
+
+The core never builds text: the front end detokenizes, checks stop strings, and sends ``stop_sample`` when a
+sample's text reached one, which frees its blocks before the next step. A request's SamplingParams travel as
+they are (plain data, pickled); the core gets a copy without stop strings. A fault of the whole step (the model,
+the scheduler) ends the process after a ("dead", why) message; the front end notices the pipe closing in any case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from nanovllm.engine.input_processor import RequestLimits
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreInfo:
+    """What the front end needs of the engine, sent once the core is ready."""
+
+    model_path: str
+    tokenizer: Any  # the engine's own tokenizer (pickled across): the front end tokenizes and detokenizes
+    limits: RequestLimits
+    max_num_seqs: int
+    eos_token_ids: list[int]
+    pid: int
+
+
+# What one step added to one sample of a request, as a plain tuple (unpickling a NamedTuple calls its class per
+# row: 4x slower for a step of 256 samples, see docs/architecture.md):
+#   (request_id, index (which of the n samples), new token ids, finish_reason ("stop", "length", "error" with
+#    stop_reason saying why, "rejected" for an add the engine refused, or None while running), stop_reason,
+#    new logprobs (one {token id: Logprob} per new token, or None), cumulative_logprob,
+#    first ((num_cached_tokens, prompt_logprobs) with sample 0's first tokens, else None))
+SampleDelta = tuple
+# The scheduler's state after a step; counters are deltas since the previous message:
+#   (num_running, num_waiting, kv_cache_usage, num_preemptions, prefix_cache_queries, prefix_cache_hits)
+CoreStats = tuple
+
+
+class EngineCore:
+    """Runs an engine for one front end over ``conn`` (a multiprocessing Connection) until told to stop."""
+
+    def __init__(self, engine, conn):
+        self.engine = engine
+        self.conn = conn
+        self.num_sent: dict[str, list[int]] = {}  # request id -> tokens sent of each sample
+        self.rejected: list[SampleDelta] = []  # adds the engine refused, sent with the next message
+        self.counters = self._read_counters()
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            changed = self._handle_commands(block=not engine.has_unfinished_requests())
+            if changed is None:
+                break
+            deltas = self._step() if engine.has_unfinished_requests() else []
+            if deltas or changed or self.rejected:
+                deltas, self.rejected = self.rejected + deltas, []
+                self.conn.send(("step", deltas, self._stats()))
+        for request_id in list(self.num_sent):
+            engine.abort_request(request_id)
+        self.conn.send(("stopped", self._stats()))
+
+    def _handle_commands(self, block: bool) -> bool | None:
+        """Apply the commands that came (waiting for one if ``block``); whether any did; None once told to stop."""
+        changed = False
+        while block or self.conn.poll():
+            block = False
+            command = self.conn.recv()
+            kind = command[0]
+            changed = True
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                for request_id in command[1]:
+                    if self.num_sent.pop(request_id, None) is not None:
+                        self.engine.abort_request(request_id)
+            elif kind == "stop_sample":
+                _, request_id, index, stop = command
+                if request_id in self.num_sent:
+                    self.engine.stop_sample(request_id, index, stop)
+                    self._forget_if_finished(request_id)
+            elif kind == "stop":
+                return None
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+        return changed
+
+    def _add(self, request_id: str, token_ids: list[int], params) -> None:
+        try:
+            self.engine.add_request({"prompt_token_ids": token_ids}, params, request_id)
+        except ValueError as e:  # the request's own fault: only it is refused
+            self.rejected.append((request_id, -1, [], "rejected", str(e), None, None, None))
+            return
+        self.num_sent[request_id] = [0] * params.n
+
+    def _step(self) -> list[SampleDelta]:
+        engine = self.engine
+        deltas = []
+        touched = []
+        for seq in engine.step():
+            request_id = seq.request_id
+            num_sent = self.num_sent.get(request_id)
+            if num_sent is None:
+                continue
+            state = engine.requests[request_id]
+            sample = state.samples[seq.index]
+            before = num_sent[seq.index]
+            new = seq.token_ids[seq.num_prompt_tokens + before:]
+            num_sent[seq.index] = before + len(new)
+            logprobs = sample.logprobs[before:] if sample.logprobs is not None else None
+            first = None
+            if seq.index == 0 and before == 0:
+                first = (state.num_cached_tokens or 0, state.prompt_logprobs)
+            finish, stop_reason = seq.finish_reason, seq.stop_reason
+            if state.error is not None:
+                finish, stop_reason = "error", state.error
+            deltas.append((request_id, seq.index, new, finish, stop_reason, logprobs, sample.cumulative_logprob,
+                           first))
+            touched.append(request_id)
+        for request_id in dict.fromkeys(touched):
+            self._forget_if_finished(request_id)
+        return deltas
+
+    def _forget_if_finished(self, request_id: str) -> None:
+        if self.engine.is_request_finished(request_id):
+            self.engine.forget_request(request_id)
+            del self.num_sent[request_id]
+
+    def _read_counters(self) -> tuple[int, int, int]:
+        scheduler = self.engine.scheduler
+        bm = scheduler.block_manager
+        return scheduler.stats.num_preemptions, bm.num_queried_tokens, bm.num_hit_tokens
+
+    def _stats(self) -> CoreStats:
+        scheduler = self.engine.scheduler
+        now = self._read_counters()
+        before, self.counters = self.counters, now
+        return (len(scheduler.running), len(scheduler.waiting), scheduler.block_manager.usage,
+                now[0] - before[0], now[1] - before[1], now[2] - before[2])
+
+
+def core_params(params):
+    """The params the core runs a request with: the front end handles text, so no stop strings and no text."""
+    return dataclasses.replace(params, stop=[], detokenize=False)
+
+
+def run_engine_core(conn, engine_args: dict) -> None:
+    """Process target: build the engine, say ("ready", CoreInfo) or ("failed", why), then serve ``conn``."""
+    import os
+    import sys
+
+    # Ctrl-C reaches the whole process group: the front end drains and then stops the core, not the signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    engine = None
+    try:
+        _bind_device(engine_args.get("device"))
+        from nanovllm.engine.llm_engine import LLMEngine
+        engine = LLMEngine(**engine_args)
+        if engine.config.device == "cpu" and engine.config.tensor_parallel_size == 1:
+            _leave_a_core_to_the_front_end()
+        info = CoreInfo(engine.model_path, engine.tokenizer, engine.request_limits, engine.config.max_num_seqs,
+                        sorted(engine.eos_token_ids), os.getpid())
+    except BaseException as e:
+        try:  # the exception itself, so the front end can raise a user's error (a bad path, a bad flag) as such
+            conn.send(("failed", e))
+        except Exception:
+            conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
+        if engine is not None:
+            engine.close()
+        sys.exit(1)
+    conn.send(("ready", info))
+    status = 0
+    try:
+        EngineCore(engine, conn).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        status = 1  # the front end is gone: nobody to serve
+    except BaseException as e:
+        logger.exception("the engine core failed")
+        try:
+            conn.send(("dead", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        status = 1
+    finally:
+        engine.close()
+    sys.exit(status)
+
+
+def _leave_a_core_to_the_front_end() -> None:
+    """On the CPU the front end is a busy process of its own: a step's OpenMP team as wide as the machine then
+    waits at every barrier for a thread the front end displaced (measured: 2 threads of 2 cores 10-15x slower
+    per step than 1 when the cores are shared), so the core takes one core less."""
+    import torch
+    torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+
+
+def _bind_device(device) -> None:
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+        index = torch.device(device).index
+        if index is not None:
+            torch.cuda.set_device(index)
