@@ -1,5 +1,6 @@
 """The engine core in a process of its own: it admits, schedules, steps and samples, and after each step sends
-one message with only what is new (per sample: the new token ids, the finish reason, new logprobs).
+one message with only what is new (per sample: the new token ids, the finish reason, new logprobs); steps that
+queued while the front end was behind go as one message (``merge_steps``), and the step loop never waits for it.
 
 ```
   front end (HTTP, tokenizer, detokenizer, stop strings)          engine core process (this module)
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import signal
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,17 +68,21 @@ class EngineCore:
 
     def run(self) -> None:
         engine = self.engine
-        while True:
-            changed = self._handle_commands(block=not engine.has_unfinished_requests())
-            if changed is None:
-                break
-            deltas = self._step() if engine.has_unfinished_requests() else []
-            if deltas or changed or self.rejected:
-                deltas, self.rejected = self.rejected + deltas, []
-                self.conn.send(("step", deltas, self._stats()))
-        for request_id in list(self.num_sent):
-            engine.abort_request(request_id)
-        self.conn.send(("stopped", self._stats()))
+        outbox = _Outbox(self.conn)
+        try:
+            while True:
+                changed = self._handle_commands(block=not engine.has_unfinished_requests())
+                if changed is None:
+                    break
+                deltas = self._step() if engine.has_unfinished_requests() else []
+                if deltas or changed or self.rejected:
+                    deltas, self.rejected = self.rejected + deltas, []
+                    outbox.put(("step", deltas, self._stats()))
+            for request_id in list(self.num_sent):
+                engine.abort_request(request_id)
+            outbox.put(("stopped", self._stats()))
+        finally:
+            outbox.close()
 
     def _handle_commands(self, block: bool) -> bool | None:
         """Apply the commands that came (waiting for one if ``block``); whether any did; None once told to stop."""
@@ -112,29 +119,29 @@ class EngineCore:
 
     def _step(self) -> list[SampleDelta]:
         engine = self.engine
+        requests, num_sent_of = engine.requests, self.num_sent
         deltas = []
-        touched = []
+        ended = []
         for seq in engine.step():
             request_id = seq.request_id
-            num_sent = self.num_sent.get(request_id)
+            num_sent = num_sent_of.get(request_id)
             if num_sent is None:
                 continue
-            state = engine.requests[request_id]
-            sample = state.samples[seq.index]
-            before = num_sent[seq.index]
+            state = requests[request_id]
+            index = seq.index
+            sample = state.samples[index]
+            before = num_sent[index]
             new = seq.token_ids[seq.num_prompt_tokens + before:]
-            num_sent[seq.index] = before + len(new)
+            num_sent[index] = before + len(new)
             logprobs = sample.logprobs[before:] if sample.logprobs is not None else None
-            first = None
-            if seq.index == 0 and before == 0:
-                first = (state.num_cached_tokens or 0, state.prompt_logprobs)
+            first = (state.num_cached_tokens or 0, state.prompt_logprobs) if index == 0 and before == 0 else None
             finish, stop_reason = seq.finish_reason, seq.stop_reason
             if state.error is not None:
                 finish, stop_reason = "error", state.error
-            deltas.append((request_id, seq.index, new, finish, stop_reason, logprobs, sample.cumulative_logprob,
-                           first))
-            touched.append(request_id)
-        for request_id in dict.fromkeys(touched):
+            if finish is not None:
+                ended.append(request_id)
+            deltas.append((request_id, index, new, finish, stop_reason, logprobs, sample.cumulative_logprob, first))
+        for request_id in dict.fromkeys(ended):  # only a sample that ended can end its request
             self._forget_if_finished(request_id)
         return deltas
 
@@ -154,6 +161,54 @@ class EngineCore:
         before, self.counters = self.counters, now
         return (len(scheduler.running), len(scheduler.waiting), scheduler.block_manager.usage,
                 now[0] - before[0], now[1] - before[1], now[2] - before[2])
+
+
+class _Outbox:
+    """Messages to the front end, sent by a thread of their own: the step loop never waits for a front end that
+    is behind (a full pipe), and the steps that queued meanwhile go as one message (their deltas in order, the
+    newest scheduler state, the counters summed), so a busy front end gets fewer, larger hand-overs."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="nanovllm-core-outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, message: tuple) -> None:
+        self.queue.put(message)
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            try:
+                for message in merge_steps(batch):
+                    if message is None:
+                        return
+                    self.conn.send(message)
+            except (OSError, ValueError):  # the front end is gone: the step loop notices on its next read
+                return
+
+
+def merge_steps(batch: list[tuple | None]) -> list[tuple | None]:
+    """Consecutive ("step", deltas, stats) messages as one; others (and their order) kept."""
+    merged: list[tuple | None] = []
+    for message in batch:
+        if message is not None and message[0] == "step" and merged and merged[-1] is not None \
+                and merged[-1][0] == "step":
+            _, deltas, stats = merged[-1]
+            new_stats = message[2]
+            merged[-1] = ("step", deltas + message[1], new_stats[:3] + tuple(
+                a + b for a, b in zip(stats[3:], new_stats[3:], strict=True)))
+        else:
+            merged.append(message)
+    return merged
 
 
 def core_params(params):

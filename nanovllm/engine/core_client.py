@@ -39,7 +39,7 @@ from nanovllm.engine.async_engine import (
     _Deliveries,
     _RequestState,
 )
-from nanovllm.engine.core import CoreInfo, CoreStats, SampleDelta, core_params, run_engine_core
+from nanovllm.engine.core import CoreInfo, CoreStats, SampleDelta, core_params, merge_steps, run_engine_core
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -250,16 +250,25 @@ class AsyncEngineClient(EngineClient):
     def _read_loop(self) -> None:
         error: BaseException | None = None
         try:
-            while True:
-                message = self._conn.recv()
-                if message[0] == "step":
-                    self._process(message[1], message[2])
-                elif message[0] == "stopped":
-                    self._publish(IterationStats(0, 0, 0.0), message[1])
-                    break
-                elif message[0] == "dead":
-                    error = EngineDeadError(f"the engine failed: {message[1]}")
-                    break
+            done = False
+            while not done:
+                batch = [self._conn.recv()]
+                while self._conn.poll():  # behind the core: what has come is taken in one pass
+                    try:
+                        batch.append(self._conn.recv())
+                    except EOFError:  # the core is gone: take in what it said first
+                        break
+                for message in merge_steps(batch):
+                    if message[0] == "step":
+                        self._process(message[1], message[2])
+                    elif message[0] == "stopped":
+                        self._publish(IterationStats(0, 0, 0.0), message[1])
+                        done = True
+                        break
+                    elif message[0] == "dead":
+                        error = EngineDeadError(f"the engine failed: {message[1]}")
+                        done = True
+                        break
         except (EOFError, OSError):
             self._proc.join(2)
             error = EngineDeadError(f"the engine core process died (exit code {self._proc.exitcode}).")

@@ -151,3 +151,64 @@ def test_killing_the_core_ends_streams_with_an_error_and_the_server_exits_non_ze
         assert "engine core process died" in proc.output()
     finally:
         proc.stop()
+
+
+class _SlowFrontEnd:
+    """A pipe end whose sends block until released (a front end busy elsewhere); its reads say stop once the
+    engine has nothing left to do."""
+
+    def __init__(self, engine):
+        import threading
+        self.engine = engine
+        self.released = threading.Event()
+        self.sent: list[tuple] = []
+
+    def send(self, message):
+        self.released.wait(60)
+        self.sent.append(message)
+
+    def poll(self):
+        return False
+
+    def recv(self):
+        return ("stop",)
+
+
+def test_the_core_steps_on_while_the_front_end_is_behind_and_merges_the_steps_it_queued(chat_model):
+    import threading
+
+    from nanovllm.engine.core import EngineCore, core_params
+    from nanovllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(chat_model, kvcache_block_size=16, num_kvcache_blocks=64)
+    try:
+        conn = _SlowFrontEnd(engine)
+        core = EngineCore(engine, conn)
+        params = core_params(SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, n=2))
+        for i in range(3):
+            core._add(f"r{i}", [3 + i, 7, 9], params)
+        loop = threading.Thread(target=core.run)
+        loop.start()
+        deadline = time.monotonic() + 60
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished_requests(), "the step loop waited for the front end"
+        conn.released.set()
+        loop.join(60)
+        steps = [m for m in conn.sent if m[0] == "step"]
+        assert conn.sent[-1][0] == "stopped"
+        assert len(steps) <= 2, f"{len(steps)} step messages: the queued steps were not merged"
+        tokens: dict[tuple[str, int], list[int]] = {}
+        finishes = {}
+        for _, deltas, stats in steps:
+            assert len(stats) == 6
+            for request_id, index, new, finish, *_ in deltas:
+                tokens.setdefault((request_id, index), []).extend(new)
+                if finish is not None:
+                    finishes[(request_id, index)] = finish
+        assert sorted(tokens) == [(f"r{i}", j) for i in range(3) for j in range(2)]
+        assert all(len(t) == 12 for t in tokens.values())
+        assert set(finishes.values()) == {"length"} and len(finishes) == 6
+        assert core.num_sent == {}  # every finished request forgotten
+    finally:
+        engine.close()
