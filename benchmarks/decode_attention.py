@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[256, 16])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the cache is e4m3 (scales 0.05 / 0.02), read by the kernel into --dtype")
     parser.add_argument("--sweep", action="store_true", help="also try other split counts and tile configs")
     parser.add_argument("--smoke", action="store_true",
                         help="no GPU: tiny shapes under the Triton CPU interpreter, to check the script runs")
@@ -76,6 +78,8 @@ def main() -> int:
     )
 
     dtype = getattr(torch, DTYPES[args.dtype])
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype
+    k_scale, v_scale = (0.05, 0.02) if args.kv_cache_dtype == "fp8" else (1.0, 1.0)
     elem = dtype.itemsize
     batch, context, heads, kv_heads, head_dim = args.batch, args.context, args.num_heads, args.num_kv_heads, \
         args.head_dim
@@ -96,8 +100,8 @@ def main() -> int:
         blocks_per_seq = triton.cdiv(context, block_size)
         num_blocks = batch * blocks_per_seq
         gen = torch.Generator(device=device).manual_seed(0)
-        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, generator=gen).to(dtype)
-        v_cache = torch.randn_like(k_cache)
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, generator=gen).to(kv_dtype)
+        v_cache = torch.randn(k_cache.shape, device=device, generator=gen).to(kv_dtype)
         block_tables = torch.randperm(num_blocks, device=device, generator=gen).view(batch, blocks_per_seq).int()
         if args.min_context is None:
             seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -105,13 +109,13 @@ def main() -> int:
             seq_lens = torch.randint(args.min_context, context + 1, (batch,), device=device, generator=gen,
                                      dtype=torch.int32)
         keys = int(seq_lens.sum())
-        bytes_moved = 2 * keys * kv_heads * head_dim * elem + 2 * batch * heads * head_dim * elem
+        bytes_moved = 2 * keys * kv_heads * head_dim * kv_dtype.itemsize + 2 * batch * heads * head_dim * elem
         q = torch.randn(batch, heads, head_dim, device=device, generator=gen).to(dtype)
         out = torch.empty_like(q)
 
-        ref = decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
-        max_err = (decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, plan_len).float()
-                   - ref.float()).abs().max().item()
+        ref = decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        max_err = (decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, plan_len, k_scale=k_scale,
+                                    v_scale=v_scale).float() - ref.float()).abs().max().item()
 
         plans: list[tuple[str, int | None, DecodeConfig]] = [("default", None, default_config)]
         if args.sweep:
@@ -121,7 +125,8 @@ def main() -> int:
             splits, _ = plan_splits(batch, kv_heads, plan_len, config.block_n, q.device, num_splits)
 
             run = functools.partial(decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale, plan_len,
-                                    out=out, num_splits=num_splits, config=config)
+                                    out=out, num_splits=num_splits, config=config, k_scale=k_scale,
+                                    v_scale=v_scale)
             try:
                 ms = time_ms(run)
             except Exception as exc:  # e.g. a sweep config out of shared memory: report it, keep going
@@ -135,7 +140,7 @@ def main() -> int:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)"
     lengths = f"context {context}" if args.min_context is None else f"contexts {args.min_context}-{context}"
     print(f"decode attention on {name}: batch {batch}, {lengths} (split plan for {plan_len}), heads "
-          f"{heads}/{kv_heads}, head_dim {head_dim}, {args.dtype}, {bytes_moved / 1e6:.1f} MB per call "
+          f"{heads}/{kv_heads}, head_dim {head_dim}, {args.dtype}, KV cache {args.kv_cache_dtype}, {bytes_moved / 1e6:.1f} MB per call "
           f"(last block size); peak {PEAK_TBPS} TB/s")
     print(f"{'block':>5} {'plan':>8} {'splits':>6} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} "
           f"{'time us':>9} {'TB/s':>6} {'of peak':>7} {'max err':>8}")

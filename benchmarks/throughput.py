@@ -59,7 +59,7 @@ def roofline_seconds(llm: LLM, prompts, params) -> tuple[float, float]:
 
     cfg = llm.hf_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * llm.config.kv_torch_dtype.itemsize
     model = getattr(llm.runner, "runner", llm.runner).model
     gpus = llm.config.tensor_parallel_size
     weight_params = sum(p.numel() for p in model.parameters())  # a tied embedding counts once, as the LM head
@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--kvcache-block-size", type=int, default=256)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or fp8 (e4m3, a scale per layer)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan each step while the one before runs (default: the engine's, on with one GPU)")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -228,6 +229,7 @@ def main() -> None:
               tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kvcache_block_size=args.kvcache_block_size, device=args.device, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype,
               async_scheduling=args.async_scheduling, disable_custom_all_reduce=args.disable_custom_all_reduce)
     if args.gather_logits and args.tensor_parallel_size > 1:
         llm.runner.disable_slice_sampling = True

@@ -15,8 +15,9 @@ DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-# the KV cache also takes int8 on the CPU (a scale per token and KV head: kernels/cpu_ops.py)
-KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8}
+# the KV cache also takes int8 on the CPU (a scale per token and KV head: kernels/cpu_ops.py) and fp8 e4m3
+# anywhere (a scale per layer: attention/kv_fp8.py), under vLLM's names
+KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREFIX_CACHING_HASH_ALGOS = ("xxh64", "sha256")  # the keys of engine/block_manager.py's BLOCK_HASHES
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -65,7 +66,9 @@ class EngineConfig:
     # rounding is far coarser: half the bytes a token read each step, twice the tokens in a pool; 3-7 % more
     # tokens/s at 64 requests);
     # on the CPU also float16 or bfloat16 under a float32 model, or int8 (float32 models with the compiled CPU
-    # ops: a scale per token and KV head, 68 bytes a row of 64 instead of 128); on CUDA only the model's dtype
+    # ops: a scale per token and KV head, 68 bytes a row of 64 instead of 128); fp8 / fp8_e4m3 on any device (e4m3
+    # with a scale per layer, attention/kv_fp8.py: twice the tokens of a 16-bit cache); on CUDA else only the
+    # model's dtype
     kv_cache_dtype: str = "auto"
     # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
     # "prompt_lookup_min": n}, or its JSON (the CLI); parsed into a SpeculativeConfig; None: off
@@ -122,9 +125,10 @@ class EngineConfig:
         if self.kv_torch_dtype == torch.int8 and not self.is_cuda and self.torch_dtype != torch.float32:
             raise ValueError(f"kv_cache_dtype 'int8' needs a float32 model on the CPU (the compiled attention reads "
                              f"it from float32 activations), got dtype {self.torch_dtype}: add dtype='float32'.")
-        if self.is_cuda and self.kv_torch_dtype != self.torch_dtype:
+        if self.is_cuda and self.kv_torch_dtype not in (self.torch_dtype, torch.float8_e4m3fn):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} differs from the model's dtype "
-                             f"({self.torch_dtype}): on CUDA the KV cache takes the model's dtype ('auto').")
+                             f"({self.torch_dtype}): on CUDA the KV cache takes the model's dtype ('auto') or "
+                             f"'fp8'.")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
             if not os.path.exists(self.model):

@@ -41,10 +41,12 @@ HELP = {
                 "3+ rows on CPUs without AVX512-VNNI): about 2x faster matmuls, a quarter of the weight bytes, "
                 "int8 rounding (greedy tokens differ from float32's more than with --cpu-fp16); the KV cache "
                 "defaults to float16",
-    "kv_cache_dtype": "auto (the model's dtype; float16 under --cpu-int8), float32, float16, bfloat16 or int8; "
-                      "other than the model's: CPU only (e.g. float16 under a float32 model: twice the tokens in "
-                      "the same pool, float16 rounding; int8: float32 models with the compiled CPU ops, a scale "
-                      "per token and KV head, 1.9x float16's tokens in the same pool, coarser rounding)",
+    "kv_cache_dtype": "auto (the model's dtype; float16 under --cpu-int8), float32, float16, bfloat16, int8 or "
+                      "fp8 (= fp8_e4m3); fp8 anywhere: e4m3 with a scale per layer (the checkpoint's k_scale/"
+                      "v_scale, else 1.0), twice a 16-bit cache's tokens in the same pool; other dtypes than the "
+                      "model's: CPU only (e.g. float16 under a float32 model: twice the tokens in the same pool, "
+                      "float16 rounding; int8: float32 models with the compiled CPU ops, a scale per token and KV "
+                      "head, 1.9x float16's tokens in the same pool, coarser rounding)",
     "speculative_config": "speculative decoding as JSON, vLLM's keys: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' "
                           "(drafts from the request's own earlier tokens, verified in one step; the same tokens)",

@@ -7,20 +7,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanovllm.attention.kv_fp8 import as_bits, from_bits, to_cache
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.kernels import cpu_ops
 
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write each token's K/V into its cache slot; slots < 0 are skipped.
 
     k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale, v_scale: an fp8 cache's scales (attention/kv_fp8.py); other caches take 1.0
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache(k[keep], k_cache.dtype, k_scale)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache(v[keep], v_cache.dtype, v_scale)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -32,10 +34,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One query token per request, batched with padding.
 
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs]
+    k_scale, v_scale: the cache holds K / k_scale and V / v_scale (an fp8 cache; else 1.0)
     returns [num_seqs, num_heads, head_dim] in q's dtype (softmax in float32)
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -43,8 +47,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long().clamp(0, k_cache.shape[0] - 1)  # padding ids: never used
-    keys = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
-    values = v_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    keys = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float() * k_scale
+    values = v_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float() * v_scale
     group = num_heads // num_kv_heads
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale  # [B, kvh, group, L]
@@ -57,11 +61,12 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each request's query chunk over its cached context plus itself.
 
     q: [num_tokens, num_heads, head_dim] (requests packed by cu_seqlens_q); the chunk's own K/V must already
     be in the cache. Query i of a request sits at absolute position context_len + i and sees keys 0..that.
+    k_scale, v_scale: as decode_attention_ref's.
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -72,8 +77,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         start, end = starts[i], starts[i + 1]
         query_len = end - start
         context_len = seq_len - query_len
-        keys = gather_kv(k_cache, block_tables[i], seq_len).float()
-        values = gather_kv(v_cache, block_tables[i], seq_len).float()
+        keys = gather_kv(k_cache, block_tables[i], seq_len).float() * k_scale
+        values = gather_kv(v_cache, block_tables[i], seq_len).float() * v_scale
         if num_heads != num_kv_heads:
             keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
             values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
@@ -125,8 +130,9 @@ def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                         scale: float) -> torch.Tensor:
-    """decode_attention_ref's result. q: [num_seqs, num_heads, head_dim] -> like q."""
+                         scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """decode_attention_ref's result. q: [num_seqs, num_heads, head_dim] -> like q. K's scale folds into the
+    softmax scale and V's into the output, as in the Triton kernels."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     # [num_seqs, num_kv_heads, max_len, head_dim] views of one gathered copy (or of the cache itself)
@@ -134,23 +140,28 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         keys = k_cache.view(-1, num_kv_heads, head_dim).narrow(0, plan.first_slot, plan.max_len)
         values = v_cache.view(-1, num_kv_heads, head_dim).narrow(0, plan.first_slot, plan.max_len)
     else:
-        keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
-        values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+        keys = from_bits(as_bits(k_cache).view(-1, num_kv_heads, head_dim).index_select(0, plan.slots), k_cache.dtype)
+        values = from_bits(as_bits(v_cache).view(-1, num_kv_heads, head_dim).index_select(0, plan.slots),
+                           v_cache.dtype)
     # a lower-precision cache (kv_cache_dtype) is read back in the activations' dtype
     keys = keys.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     values = values.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     # the query heads of one KV head are that head's "query tokens": GQA without repeating K/V
     group = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.valid, scale=scale)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.valid, scale=scale * k_scale)
+    if v_scale != 1.0:
+        out = out * v_scale
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)  # a fully masked row (seq_len 0) gives 0
 
 
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
-                          seq_lens: list[int], scale: float) -> torch.Tensor:
-    """prefill_attention_ref's result; a request with no cached context attends over its own k, v, never
-    reading the cache. q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]."""
+                          seq_lens: list[int], scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+                          ) -> torch.Tensor:
+    """prefill_attention_ref's result; a request with no cached context attends over its own k, v (rounded as
+    the cache holds them), never reading the cache. q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens,
+    num_kv_heads, head_dim]."""
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     block_size = k_cache.shape[1]
@@ -159,27 +170,32 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         end = start + query_len
         context_len = seq_len - query_len
         if context_len == 0:
-            keys, values, mask = k[start:end].to(k_cache.dtype), v[start:end].to(v_cache.dtype), None
+            keys, values = to_cache(k[start:end], k_cache.dtype, k_scale), to_cache(v[start:end], v_cache.dtype, v_scale)
+            mask = None
         else:
             positions = torch.arange(seq_len, device=q.device)
             slots = block_tables[i].long()[positions // block_size] * block_size + positions % block_size
-            keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-            values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+            keys = from_bits(as_bits(k_cache).view(-1, num_kv_heads, head_dim).index_select(0, slots), k_cache.dtype)
+            values = from_bits(as_bits(v_cache).view(-1, num_kv_heads, head_dim).index_select(0, slots),
+                               v_cache.dtype)
             mask = positions[None, :] <= positions[context_len:, None]  # [query_len, seq_len]
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # a lower-precision cache: read back in q's dtype
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+            attn_mask=mask, is_causal=mask is None, scale=scale * k_scale, enable_gqa=True)
+        if v_scale != 1.0:
+            o = o * v_scale
         out[start:end] = o.transpose(0, 1).to(q.dtype)
         start = end
     return out
 
 
 def store_kvcache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """store_kvcache_ref when every slot is >= 0: one index_copy_ each, no boolean mask."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, x_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        as_bits(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping,
+                                                              as_bits(to_cache(x, cache.dtype, x_scale)))
 
 
 def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,8 +246,10 @@ class TorchAttentionBackend:
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
                     num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-        """The CPU's fused attention (see fuses_qkv): qkv [num_tokens, (heads + 2 kv heads) * head_dim]."""
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """The CPU's fused attention (see fuses_qkv): qkv [num_tokens, (heads + 2 kv heads) * head_dim]. Its
+        caches are never fp8 (kv_cache_usable), so k_scale and v_scale are 1.0."""
+        assert k_scale == v_scale == 1.0, "the compiled CPU attention takes no fp8 cache"
         if meta.num_prefills:  # token_rows once per step, for every layer
             if self._rows is None or self._rows[0] is not meta:
                 self._rows = (meta, *token_rows(meta))
@@ -244,37 +262,41 @@ class TorchAttentionBackend:
             meta.block_tables, attend_lens, meta.slot_mapping, num_heads, num_kv_heads, scale, row_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q.
+        k_scale, v_scale: an fp8 cache's scales (attention/kv_fp8.py)."""
         if k_cache.dtype == torch.int8:  # only forward_qkv's compiled kernel reads its rows' scales
             raise ValueError(f"kv_cache_dtype 'int8' needs the compiled CPU attention, which this step cannot use "
                              f"(activations {q.dtype} on {q.device}): use kv_cache_dtype 'auto'.")
         if q.device.type == "cpu":
-            return self._forward_cpu(q, k, v, k_cache, v_cache, meta, scale)
-        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+            return self._forward_cpu(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             out[:nd] = decode_attention_ref(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                            meta.seq_lens[:nd], scale)
+                                            meta.seq_lens[:nd], scale, k_scale, v_scale)
         if meta.num_prefills:
             cu = meta.cu_seqlens_q[nd:] - nd
             out[nd:] = prefill_attention_ref(q[nd:], k_cache, v_cache, meta.block_tables[nd:], cu,
-                                             meta.seq_lens[nd:], scale)
+                                             meta.seq_lens[nd:], scale, k_scale, v_scale)
         return out
 
-    def _forward_cpu(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _forward_cpu(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
+                     v_scale: float) -> torch.Tensor:
         plan = self._step_plan(meta, k_cache.shape[1])
         if plan.all_slots_valid:
-            store_kvcache_cpu(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kvcache_cpu(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:
-            store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         nd = meta.num_decodes
         if not meta.num_prefills:
-            return decode_attention_cpu(q, k_cache, v_cache, plan.decode, scale)
+            return decode_attention_cpu(q, k_cache, v_cache, plan.decode, scale, k_scale, v_scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = decode_attention_cpu(q[:nd], k_cache, v_cache, plan.decode, scale)
+            out[:nd] = decode_attention_cpu(q[:nd], k_cache, v_cache, plan.decode, scale, k_scale, v_scale)
         out[nd:] = prefill_attention_cpu(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:],
-                                         meta.query_lens_host[nd:], meta.seq_lens_host[nd:], scale)
+                                         meta.query_lens_host[nd:], meta.seq_lens_host[nd:], scale, k_scale,
+                                         v_scale)
         return out

@@ -31,10 +31,12 @@ class TritonAttentionBackend:
         self._prefill_attention = prefill_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
-        self._store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, scale)
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q.
+        k_scale, v_scale: an fp8 cache's scales (attention/kv_fp8.py)."""
+        self._store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return self._attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
     @staticmethod
     def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None,
@@ -45,7 +47,7 @@ class TritonAttentionBackend:
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
                     num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Attention from the fused qkv projection: q/k norm (when given), RoPE and the KV store in one kernel.
 
         rotary: a RotaryEmbedding (its float32 cos/sin tables); q_norm, k_norm: RMSNorm modules or None.
@@ -53,20 +55,20 @@ class TritonAttentionBackend:
         q = self._norm_rope_store(qkv, positions, rotary.cos, rotary.sin,
                                   None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                                   0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, meta.slot_mapping,
-                                  num_heads, num_kv_heads)
-        return self._attend(q, k_cache, v_cache, meta, scale)
+                                  num_heads, num_kv_heads, k_scale, v_scale)
+        return self._attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
         """Attention of q over the cache, whose K/V for this step's tokens are already stored."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             self._decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                   scale, meta.max_seq_len, out=out[:nd])
+                                   scale, meta.max_seq_len, out=out[:nd], k_scale=k_scale, v_scale=v_scale)
         if meta.num_prefills:
             # Decodes hold one token each, so the prefill tokens start at token nd.
             cu = meta.cu_seqlens_q[nd:] - nd
             self._prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], cu, meta.seq_lens[nd:],
-                                    scale, meta.max_query_len, out=out[nd:])
+                                    scale, meta.max_query_len, out=out[nd:], k_scale=k_scale, v_scale=v_scale)
         return out

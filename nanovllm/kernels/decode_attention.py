@@ -47,7 +47,8 @@ def _decode_split_kernel(
     partial_max_ptr,            # [num_seqs, num_heads, num_splits] fp32 (log2 domain)
     partial_sum_ptr,            # [num_seqs, num_heads, num_splits] fp32
     partial_acc_ptr,            # [num_seqs, num_heads, num_splits, head_dim] fp32, unnormalised
-    scale_log2,                 # softmax scale * log2(e): scores go through exp2
+    scale_log2,                 # softmax scale * log2(e) (* k_scale for an fp8 cache): scores go through exp2
+    v_scale,                    # an fp8 cache's V scale, applied to the output; read only when KV_FP8
     min_tokens_per_split,       # a multiple of BLOCK_N
     num_splits,
     q_stride_seq, q_stride_head,
@@ -62,6 +63,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,      # keys per tile; a tile may span blocks or be part of one
     WRITE_OUT: tl.constexpr,    # num_splits == 1: normalise and write out, skip the partials
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,       # the cache is e4m3: tiles are upcast to q's dtype as they load
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,6 +99,8 @@ def _decode_split_kernel(
                          + kv_head * HEAD_DIM)
         # k: [HEAD_DIM, BLOCK_N], loaded transposed for q @ k
         k = tl.load(k_cache_ptr + token_offsets[None, :] + dims[:, None], mask=token_mask[None, :], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_GROUP, BLOCK_N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one key, so m_new is finite from the first tile on.
@@ -106,9 +110,13 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         # v: [BLOCK_N, HEAD_DIM]
         v = tl.load(v_cache_ptr + token_offsets[:, None] + dims[None, :], mask=token_mask[:, None], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale
     if WRITE_OUT:
         # l_i == 0 only for a padding request with seq_len 0: give zeros, not NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -203,11 +211,13 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int, *, out: torch.Tensor | None = None,
-                     num_splits: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, config: DecodeConfig | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one query token per request over its first seq_lens[i] cached keys.
 
     q: [num_seqs, num_heads, head_dim] (any seq/head strides, unit stride on head_dim)
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, q's dtype
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, q's dtype or fp8 (e4m3)
+    holding K / k_scale and V / v_scale (attention/kv_fp8.py)
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (the query token's key is
     already in the cache, so seq_lens counts it)
     max_seq_len: a python int, the longest seq_lens[i] expected; sets the number of splits. Each request
@@ -223,7 +233,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != q head_dim {head_dim}"
     assert v_cache.shape == k_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"q {q.dtype} and caches {k_cache.dtype} must match"
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.dtype == v_cache.dtype and (kv_fp8 or q.dtype == k_cache.dtype), \
+        f"q {q.dtype} and caches {k_cache.dtype}, {v_cache.dtype} must match (or the caches be fp8)"
+    assert kv_fp8 or k_scale == v_scale == 1.0, f"scales {k_scale}, {v_scale} given for a {k_cache.dtype} cache"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two >= 16"
@@ -256,12 +269,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                   device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_acc,
-        scale * LOG2E, min_tokens_per_split, num_splits,
+        scale * LOG2E * k_scale, v_scale, min_tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, WRITE_OUT=num_splits == 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:

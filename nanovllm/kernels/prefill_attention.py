@@ -40,6 +40,7 @@ def _attend_key_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,   # False: every key of every tile is visible to every query
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,        # the cache is e4m3: tiles are upcast to q's dtype as they load
 ):
     dims = tl.arange(0, HEAD_DIM)
     for start in range(key_start, key_end, BLOCK_N):
@@ -56,6 +57,8 @@ def _attend_key_tiles(
             k = tl.load(k_cache_ptr + key_offsets[None, :] + dims[:, None], mask=key_mask[None, :], other=0.0)
         else:
             k = tl.load(k_cache_ptr + key_offsets[None, :] + dims[:, None])
+        if KV_FP8:
+            k = k.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if CAUSAL_MASK:
             visible = (keys[None, :] <= positions[:, None]) & key_mask[None, :]
@@ -71,6 +74,8 @@ def _attend_key_tiles(
             v = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
         else:
             v = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :])
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -84,7 +89,8 @@ def _prefill_attention_kernel(
     cu_seqlens_q_ptr,            # [num_seqs + 1] int32
     seq_lens_ptr,                # [num_seqs] int32, context_len + query_len
     out_ptr,                     # [num_tokens, num_heads, head_dim]
-    scale_log2,                  # softmax scale * log2(e): scores go through exp2
+    scale_log2,                  # softmax scale * log2(e) (* k_scale for an fp8 cache): scores go through exp2
+    v_scale,                     # an fp8 cache's V scale, applied to the output; read only when KV_FP8
     q_stride_token, q_stride_head,
     out_stride_token, out_stride_head,
     block_tables_stride,
@@ -96,6 +102,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,       # keys per tile; a tile may span blocks or be part of one
     HEADS: tl.constexpr,         # query heads of one kv head in a program: they share each K/V tile it loads
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # The last query tiles see the most keys: they start first, so the lightest tiles fill the final wave.
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -135,15 +142,17 @@ def _prefill_attention_kernel(
     acc, m_i, l_i = _attend_key_tiles(
         acc, m_i, l_i, q, positions, k_head_ptr, v_head_ptr, table_row, 0, unmasked_end,
         scale_log2, cache_stride_block, cache_stride_token,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8,
     )
     acc, m_i, l_i = _attend_key_tiles(
         acc, m_i, l_i, q, positions, k_head_ptr, v_head_ptr, table_row, unmasked_end, key_end,
         scale_log2, cache_stride_block, cache_stride_token,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8,
     )
 
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(out_ptr + tokens[:, None] * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -171,12 +180,13 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int, *,
-                      out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, config: PrefillConfig | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each request's query chunk over its cached context plus itself.
 
     q: [num_tokens, num_heads, head_dim], requests packed by cu_seqlens_q (any token/head strides,
     unit stride on head_dim); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim],
-    contiguous, q's dtype, already holding the chunk's own K/V.
+    contiguous, q's dtype or fp8 (e4m3) holding K / k_scale and V / v_scale, already holding the chunk's own K/V.
     block_tables: [num_seqs, max_blocks] int32; cu_seqlens_q: [num_seqs + 1] int32 (cu_seqlens_q[0] == 0);
     seq_lens: [num_seqs] int32 = context_len + query_len.
     max_query_len: a python int >= every query_len (sizes the grid; no host sync).
@@ -187,7 +197,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_seqs = seq_lens.shape[0]
     assert cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != q head_dim {head_dim}"
     assert v_cache.shape == k_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"q {q.dtype} and caches {k_cache.dtype} must match"
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.dtype == v_cache.dtype and (kv_fp8 or q.dtype == k_cache.dtype), \
+        f"q {q.dtype} and caches {k_cache.dtype}, {v_cache.dtype} must match (or the caches be fp8)"
+    assert kv_fp8 or k_scale == v_scale == 1.0, f"scales {k_scale}, {v_scale} given for a {k_cache.dtype} cache"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two >= 16"
@@ -211,12 +224,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (triton.cdiv(max_query_len, config.block_m), num_heads // config.heads, num_seqs)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E,
+        scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS=config.heads,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import to_e4m3
 from nanovllm.kernels.jit import jit_unspecialized
 
 
@@ -45,12 +46,14 @@ def _norm_rope_store_kernel(
     qkv_stride_token,
     table_stride,
     eps,
+    k_inv_scale, v_inv_scale,   # an fp8 cache stores K * k_inv_scale, V * v_inv_scale; read only when FP8
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,  # next power of two >= NUM_HEADS
     BLOCK_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NORM: tl.constexpr,
+    FP8: tl.constexpr,          # the cache is e4m3 (kernels/fp8.py)
 ):
     token = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -88,24 +91,29 @@ def _norm_rope_store_kernel(
             k2 = k2 * k_inv_rms * tl.load(k_weight_ptr + HALF + half).to(tl.float32)[None, :]
         k1, k2 = _rotate_half(k1, k2, cos, sin)
         cache_row = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_heads * HEAD_DIM
+        if FP8:
+            k1, k2 = to_e4m3(k1, k_inv_scale), to_e4m3(k2, k_inv_scale)
         tl.store(k_cache_ptr + cache_row + half[None, :], k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_cache_ptr + cache_row + HALF + half[None, :], k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         dims = tl.arange(0, HEAD_DIM)[None, :]
         v = tl.load(k_row + NUM_KV_HEADS * HEAD_DIM + dims, mask=kv_mask)
+        if FP8:
+            v = to_e4m3(v.to(tl.float32), v_inv_scale)
         tl.store(v_cache_ptr + cache_row + dims, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                    num_heads: int, num_kv_heads: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The rotated (and normed) q of each token; its rotated (and normed) k and its v go into the cache.
 
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], q then k then v, unit stride on the last dim.
     positions: [num_tokens] int64; cos, sin: [max_position, head_dim] float32 (rotate-half tables).
     q_weight, k_weight: the q/k RMSNorm weights [head_dim], or both None for a model without q/k norm.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous; slot_mapping: [num_tokens]
-    int64, -1 = not stored. Returns q: [num_tokens, num_heads, head_dim] in qkv's dtype.
+    int64, -1 = not stored; an fp8 (e4m3) cache stores K / k_scale and V / v_scale (attention/kv_fp8.py).
+    Returns q: [num_tokens, num_heads, head_dim] in qkv's dtype.
     No host sync; the only allocation is q: safe inside a CUDA graph.
     """
     num_tokens = qkv.shape[0]
@@ -120,15 +128,17 @@ def norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,)
     assert slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}"
     assert (q_weight is None) == (k_weight is None), "give both q/k norm weights or neither"
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert fp8 or k_scale == v_scale == 1.0, f"scales {k_scale}, {v_scale} given for a {k_cache.dtype} cache"
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
     norm = q_weight is not None
     _norm_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos, sin, q_weight if norm else cos, k_weight if norm else cos, q,
-        k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0), eps,
+        k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0), eps, 1.0 / k_scale, 1.0 / v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_HEADS=triton.next_power_of_2(num_heads),
-        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, NORM=norm,
+        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, NORM=norm, FP8=fp8,
         num_warps=4 if (num_heads + num_kv_heads) * head_dim >= 2048 else 2,
     )
     return q

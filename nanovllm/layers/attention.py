@@ -14,6 +14,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.backend = None
+        # an fp8 cache holds K / k_scale and V / v_scale (attention/kv_fp8.py): the checkpoint's, else 1.0
+        self.k_scale = self.v_scale = 1.0
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
         """Give this layer its KV cache views ([num_blocks, block_size, num_kv_heads, head_dim]) and backend."""
@@ -29,9 +31,11 @@ class Attention(nn.Module):
         """Attention straight from the fused qkv projection [num_tokens, (heads + 2 kv heads) * head_dim]: the
         backend applies the q/k norms (modules or None) and rotary in the same kernel that stores K/V."""
         return self.backend.forward_qkv(qkv, positions, rotary, q_norm, k_norm, self.num_heads, self.num_kv_heads,
-                                        self.k_cache, self.v_cache, get_forward_context(), self.scale)
+                                        self.k_cache, self.v_cache, get_forward_context(), self.scale,
+                                        self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
         assert self.backend is not None, "attention layer used before the runner bound its KV cache"
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_forward_context(), self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_forward_context(), self.scale,
+                                    self.k_scale, self.v_scale)
