@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--kvcache-block-size", type=int, default=256)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights and activations")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or fp8 (e4m3, a scale per layer)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan each step while the one before runs (default: the engine's, on with one GPU)")
@@ -229,7 +230,7 @@ def main() -> None:
               tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kvcache_block_size=args.kvcache_block_size, device=args.device, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
               async_scheduling=args.async_scheduling, disable_custom_all_reduce=args.disable_custom_all_reduce)
     if args.gather_logits and args.tensor_parallel_size > 1:
         llm.runner.disable_slice_sampling = True

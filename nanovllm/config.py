@@ -20,6 +20,7 @@ DTYPES = {
 KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREFIX_CACHING_HASH_ALGOS = ("xxh64", "sha256")  # the keys of engine/block_manager.py's BLOCK_HASHES
+QUANTIZATIONS = (None, "fp8")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
@@ -73,6 +74,9 @@ class EngineConfig:
     # speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": m,
     # "prompt_lookup_min": n}, or its JSON (the CLI); parsed into a SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # fp8: the linear layers' float weights become e4m3 at load (a scale per output channel) and multiply e4m3
+    # activations (a scale per token) through torch._scaled_mm on CUDA (layers/quantization/fp8.py)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -106,6 +110,8 @@ class EngineConfig:
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, "
                              f"got {self.prefix_caching_hash_algo!r}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
         if self.device.split(":")[0] not in ("cpu", "cuda"):

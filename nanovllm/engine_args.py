@@ -50,6 +50,10 @@ HELP = {
     "speculative_config": "speculative decoding as JSON, vLLM's keys: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' "
                           "(drafts from the request's own earlier tokens, verified in one step; the same tokens)",
+
+    "quantization": "fp8: the linear layers' weights become e4m3 at load (a scale per output channel) and "
+                    "multiply e4m3 activations (a scale per token): torch._scaled_mm on CUDA (Hopper), a "
+                    "dequantized reference elsewhere",
 }
 
 

@@ -24,6 +24,7 @@ from nanovllm.engine.sampling import (
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.acceptance import accepted_tokens
 from nanovllm.kernels import cpu_ops
+from nanovllm.layers.quantization.fp8 import quantize_linear_layers
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
@@ -75,6 +76,8 @@ class ModelRunner:
             self.custom_all_reduce = self.tp.custom_all_reduce = SymmetricAllReduce.create(self.device)
         load_weights(self.model, checkpoint_tensors(self.model, model_path, config, self.device),
                      source=model_path if config.load_format != "dummy" else "dummy weights")
+        if config.quantization == "fp8":
+            quantize_linear_layers(self.model)
         if self.device.type == "cpu":
             # the CPU's matmuls are most of its time: each layer's linear method, chosen once (platforms/cpu/linear.py)
             prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles, config.cpu.block_passes)

@@ -31,6 +31,7 @@ class LinearBase(nn.Module):
         self.tp = current_tensor_parallel()  # its engine's: another engine may share this process
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.linear_method = UNQUANTIZED
+        self.output_size = output_size  # this rank's: the weight itself may be released into its method's format
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -129,13 +130,16 @@ class RowParallelLinear(LinearBase):
         if self.tp_size == 1:
             return self.linear_method.apply(self, x, bias)
         reducer = self.tp.custom_all_reduce if x.is_cuda else None
-        shared = reducer.shared_output((*x.shape[:-1], self.weight.shape[0]), x.dtype) if reducer else None
+        shared = reducer.shared_output((*x.shape[:-1], self.output_size), x.dtype) if reducer else None
         if shared is None:
             return self.tp.all_reduce(self.linear_method.apply(self, x, bias))
         # decode-sized: the partial sum goes straight into the buffer the ranks share, and the sum is read from
         # there (no copy in or out); it is valid until the next all-reduce, and the residual add + norm that
         # follows every row-parallel layer reads it before then
-        torch.matmul(x, self.weight.t(), out=shared)
-        if bias is not None:
-            shared += bias
+        if self.linear_method is UNQUANTIZED:
+            torch.matmul(x, self.weight.t(), out=shared)
+            if bias is not None:
+                shared += bias
+        else:  # another weight format (fp8): its own product, copied in
+            shared.copy_(self.linear_method.apply(self, x, bias))
         return reducer.reduce_shared(shared)

@@ -189,8 +189,8 @@ def prepare_model(model: torch.nn.Module, kind: str, int8_tiles: bool = False, b
             users[id(weight)] = users.get(id(weight), 0) + 1
     count = 0
     for module in model.modules():
-        if not hasattr(module, "linear_method") or module.weight.device.type != "cpu" or module.weight.dtype not in (
-                torch.float32, torch.bfloat16):
+        if (getattr(module, "linear_method", None) is not UNQUANTIZED or module.weight.device.type != "cpu"
+                or module.weight.dtype not in (torch.float32, torch.bfloat16)):  # a method chosen before (fp8)
             continue
         method = linear_method(module.weight, kind, int8_tiles, block_passes)
         if method is not UNQUANTIZED:

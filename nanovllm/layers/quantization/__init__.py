@@ -1,0 +1,1 @@
+"""Weight quantization methods chosen at load time (EngineConfig.quantization); each is a per-layer object."""

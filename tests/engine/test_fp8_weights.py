@@ -1,0 +1,66 @@
+"""quantization="fp8": linear weights in e4m3 with a scale per output channel, activations with one per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm.config import EngineConfig
+from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, quantize_linear_layers, quantize_rows
+
+
+def _layer(in_features: int, out_features: int, bias: bool) -> ReplicatedLinear:
+    g = torch.Generator().manual_seed(in_features + out_features)
+    layer = ReplicatedLinear(in_features, out_features, bias=bias)
+    # rows of very different magnitudes: a single scale for the whole weight would lose the small ones
+    layer.weight.data = torch.randn(out_features, in_features, generator=g) * torch.logspace(-3, 1, out_features)[:, None]
+    if bias:
+        layer.bias.data = torch.randn(out_features, generator=g)
+    return layer
+
+
+def test_quantize_rows_keeps_each_rows_largest_value() -> None:
+    x = torch.tensor([[0.5, -2.0, 1.0], [0.0, 0.0, 0.0], [1e-4, 3e-4, -2e-4]])
+    q, scale = quantize_rows(x)
+    assert q.dtype == FP8_DTYPE and scale.shape == (3, 1) and torch.isfinite(scale).all()
+    assert q.float().abs().amax(dim=1).tolist() == [448.0, 0.0, 448.0]
+    torch.testing.assert_close(q.float() * scale, x, rtol=2 ** -4, atol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_is_close_to_the_float_one(bias: bool) -> None:
+    layer = _layer(64, 48, bias)
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(1))
+    expected = layer(x)
+    count = quantize_linear_layers(layer)
+    method = layer.linear_method
+    assert count == 1 and isinstance(method, Fp8LinearMethod) and method.weight.dtype == FP8_DTYPE
+    assert layer.weight.numel() == 0  # the float weight is released: one copy of the weights
+    out = layer(x)
+    assert out.shape == expected.shape and out.dtype == x.dtype
+    # relative to each output channel's own size: per-channel scales keep the small rows as exact as the large
+    error = ((out - expected).norm(dim=(0, 1)) / expected.norm(dim=(0, 1)))
+    assert error.max() < 0.08, error
+    # the same numbers as the formula in the module's docstring
+    xq, xs = quantize_rows(x.reshape(-1, 64))
+    wq = method.weight.float() * method.weight_scale.view(-1, 1)
+    formula = (xq.float() * xs) @ wq.t() + (layer.bias if bias else 0)
+    torch.testing.assert_close(out.reshape(-1, 48), formula, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_quantization_is_refused() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4", device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_scaled_mm_matches_the_reference_path() -> None:
+    layer = _layer(256, 128, True).cuda().to(torch.bfloat16)
+    quantize_linear_layers(layer)
+    assert layer.linear_method.scaled_mm
+    x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+    out = layer(x)
+    layer.linear_method.scaled_mm = False
+    torch.testing.assert_close(out, layer(x), rtol=2e-2, atol=2e-2)
