@@ -106,3 +106,37 @@ def test_gpu_scaled_rope_equals_cpu(tmp_path, family, overrides):
     expected = [o.token_ids for o in cpu.generate(batch, GREEDY, use_tqdm=False)]
     gpu = LLM(path, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256)
     assert [o.token_ids for o in gpu.generate(batch, GREEDY, use_tqdm=False)] == expected
+
+
+def test_gpu_fp8_kv_cache_runs_with_graphs_and_agrees_with_the_cpu(tiny_qwen3):
+    """The fp8 KV cache through the Triton kernels and CUDA graphs: eager and graphs give the same tokens, the
+    calibrated scales are the CPU's, and the tokens mostly the CPU torch backend's over the same format."""
+    cpu = LLM(tiny_qwen3, device="cpu", dtype="float32", kv_cache_dtype="fp8", kvcache_block_size=16,
+              num_kvcache_blocks=256)
+    expected = [o.token_ids for o in cpu.generate(prompts(), GREEDY, use_tqdm=False)]
+    cpu_scales = [(a.k_scale, a.v_scale) for a in cpu.runner.model.attention_layers()]
+    runs = []
+    for eager in (True, False):
+        gpu = LLM(tiny_qwen3, device="cuda", dtype="float32", kv_cache_dtype="fp8", enforce_eager=eager,
+                  kvcache_block_size=16, num_kvcache_blocks=256, max_num_batched_tokens=128)
+        assert gpu.runner.kv_cache.dtype == torch.float8_e4m3fn
+        scales = [(a.k_scale, a.v_scale) for a in gpu.runner.model.attention_layers()]
+        torch.testing.assert_close(torch.tensor(scales), torch.tensor(cpu_scales), rtol=1e-4, atol=0)
+        runs.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    same = sum(a == b for x, y in zip(runs[0], expected) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(map(len, expected)), (runs[0], expected)
+
+
+def test_gpu_fp8_weights_run_with_graphs(tiny_qwen3):
+    """quantization='fp8' through torch._scaled_mm: every linear layer's weight is e4m3 and eager and CUDA
+    graphs give the same tokens."""
+    runs = []
+    for eager in (True, False):
+        gpu = LLM(tiny_qwen3, device="cuda", quantization="fp8", kv_cache_dtype="fp8", enforce_eager=eager,
+                  kvcache_block_size=16, num_kvcache_blocks=256, max_num_batched_tokens=128)
+        layer = gpu.runner.model.model.layers[0]
+        assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert layer.self_attn.qkv_proj.quant_method.scaled_mm
+        runs.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1]
