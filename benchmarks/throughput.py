@@ -80,7 +80,8 @@ def roofline_seconds(llm: LLM, prompts, params) -> tuple[float, float]:
         running = len(lengths) - next((i for i, n in enumerate(lengths) if n > step), len(lengths))
         hit = expected_experts_hit(num_experts, top_k, running) if expert_layers else 0
         weight_reads += dense_params + len(expert_layers) * hit * per_expert
-    memory = (kv_reads * kv_bytes + weight_reads * 2) / (COPY_BANDWIDTH * gpus)
+    weight_bytes = 1 if llm.config.quantization == "fp8" else 2  # fp8: the linear layers' (the LM head stays 16-bit)
+    memory = (kv_reads * kv_bytes + weight_reads * weight_bytes) / (COPY_BANDWIDTH * gpus)
     tokens = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
     active_params = dense_params + len(expert_layers) * top_k * per_expert
     compute = 2 * active_params * tokens / (MATMUL_FLOPS * gpus)
