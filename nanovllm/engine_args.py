@@ -42,7 +42,7 @@ HELP = {
                 "int8 rounding (greedy tokens differ from float32's more than with --cpu-fp16); the KV cache "
                 "defaults to float16",
     "kv_cache_dtype": "auto (the model's dtype; float16 under --cpu-int8), float32, float16, bfloat16, int8 or "
-                      "fp8 (= fp8_e4m3); fp8 anywhere: e4m3 with a scale per layer (the checkpoint's k_scale/"
+                      "fp8 (= fp8_e4m3); fp8 anywhere: e4m3 (scale 1.0, saturating at 448), "
                       "v_scale, else 1.0), twice a 16-bit cache's tokens in the same pool; other dtypes than the "
                       "model's: CPU only (e.g. float16 under a float32 model: twice the tokens in the same pool, "
                       "float16 rounding; int8: float32 models with the compiled CPU ops, a scale per token and KV "

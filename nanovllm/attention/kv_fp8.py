@@ -2,8 +2,10 @@
 
 A cached value is ``round_e4m3(clamp(x / scale, -448, 448))``, read back as ``value * scale``. e4m3 is a float
 format (3 mantissa bits, ~6 % relative step from 2^-6 to 448), so one scale per tensor only has to keep the
-largest K/V of the layer below 448: the scale is the checkpoint's ``k_scale``/``v_scale`` when it has them, else
-1.0 (the K/V of the models we run stay far below 448; values past it saturate at 448 rather than overflow).
+largest K/V of the layer below 448: the scale is 1.0 (vLLM's default without checkpoint scales; the K/V of the
+models we run stay far below 448, and values past it saturate at 448 rather than overflow). A scale per layer
+calibrated from a prefill of random tokens (its amax stored as 448 / 8) was tried and did worse on SmolLM2
+(docs/benchmarks.md); checkpoint k_scale/v_scale are not read yet.
 Attention applies the scales outside its inner loops: K's folds into the softmax scale, V's into the output.
 """
 

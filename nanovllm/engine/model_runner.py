@@ -7,7 +7,6 @@ import logging
 import numpy as np
 import torch
 
-from nanovllm.attention.kv_fp8 import FP8_DTYPE, FP8_MAX
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.distributed.state import TensorParallel, building_model
@@ -31,13 +30,6 @@ from nanovllm.models import model_class
 from nanovllm.platforms.cpu.linear import prepare_model
 
 logger = logging.getLogger(__name__)
-
-# An fp8 KV cache without checkpoint scales calibrates a scale per layer from one prefill of this many random
-# tokens (fixed seed), so that the largest K (V) it saw is stored as 448 / FP8_HEADROOM: e4m3 keeps ~6 % steps
-# from 2^-6 up, so the headroom costs little precision at the small end and leaves K/V up to 8x larger than
-# calibration's unsaturated.
-KV_CALIBRATION_TOKENS = 512
-FP8_HEADROOM = 8.0
 
 
 def make_attention_backend(config: EngineConfig):
@@ -87,8 +79,6 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # CUDA: sampling noise is drawn inside the sampling kernel from per-step seeds (nanovllm/kernels/sampling.py)
         self.seed_source = np.random.default_rng(config.seed) if self.device.type == "cuda" else None
-        if self.config.kv_torch_dtype == FP8_DTYPE:
-            self._calibrate_kv_scales(hf_config.vocab_size)
         self.num_kvcache_blocks = self._agree_across_ranks(self._decide_num_blocks())
         self._allocate_kv_cache(self.num_kvcache_blocks)
         self.graphs = None
@@ -174,24 +164,6 @@ class ModelRunner:
         params = SamplingTensors(temperatures=ones, top_p=ones * 0.9, top_k=ones.long() * 50, max_top_k=50,
                                  logprob_rows=torch.arange(rows, device=self.device), num_logprobs=20)
         self.sampler(logits, params, self.generator)
-
-    @torch.inference_mode()
-    def _calibrate_kv_scales(self, vocab_size: int) -> None:
-        """Each layer's fp8 scales: the amax of the K/V one prefill of random tokens leaves in a cache of the
-        model's dtype, over FP8_MAX / FP8_HEADROOM."""
-        num_tokens = min(KV_CALIBRATION_TOKENS, self.max_model_len, self.config.max_num_batched_tokens)
-        generator = torch.Generator().manual_seed(0)
-        seq = Sequence(torch.randint(vocab_size, (num_tokens,), generator=generator).tolist())
-        seq.num_scheduled_tokens = num_tokens
-        seq.block_table = list(range(seq.num_blocks))
-        self._allocate_kv_cache(seq.num_blocks, dtype=self.dtype)
-        self._forward(prepare_batch([seq], self.block_size, self.device))
-        target = FP8_MAX / FP8_HEADROOM
-        for i, layer in enumerate(self.model.attention_layers()):
-            k_max, v_max = self.kv_cache[:, i].abs().amax(dim=(1, 2, 3, 4)).float().tolist()
-            layer.k_scale = max(k_max, 1e-6) / target
-            layer.v_scale = max(v_max, 1e-6) / target
-        self.kv_cache = None
 
     def _allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype | None = None) -> None:
         layers = self.model.attention_layers()

@@ -14,7 +14,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.backend = None
-        # an fp8 cache holds K / k_scale and V / v_scale (attention/kv_fp8.py): the checkpoint's, else 1.0
+        # an fp8 cache holds K / k_scale and V / v_scale (attention/kv_fp8.py); 1.0 until checkpoints set them
         self.k_scale = self.v_scale = 1.0
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:

@@ -110,18 +110,15 @@ def test_gpu_scaled_rope_equals_cpu(tmp_path, family, overrides):
 
 def test_gpu_fp8_kv_cache_runs_with_graphs_and_agrees_with_the_cpu(tiny_qwen3):
     """The fp8 KV cache through the Triton kernels and CUDA graphs: eager and graphs give the same tokens, the
-    calibrated scales are the CPU's, and the tokens mostly the CPU torch backend's over the same format."""
+    tokens mostly the CPU torch backend's over the same format."""
     cpu = LLM(tiny_qwen3, device="cpu", dtype="float32", kv_cache_dtype="fp8", kvcache_block_size=16,
               num_kvcache_blocks=256)
     expected = [o.token_ids for o in cpu.generate(prompts(), GREEDY, use_tqdm=False)]
-    cpu_scales = [(a.k_scale, a.v_scale) for a in cpu.runner.model.attention_layers()]
     runs = []
     for eager in (True, False):
         gpu = LLM(tiny_qwen3, device="cuda", dtype="float32", kv_cache_dtype="fp8", enforce_eager=eager,
                   kvcache_block_size=16, num_kvcache_blocks=256, max_num_batched_tokens=128)
         assert gpu.runner.kv_cache.dtype == torch.float8_e4m3fn
-        scales = [(a.k_scale, a.v_scale) for a in gpu.runner.model.attention_layers()]
-        torch.testing.assert_close(torch.tensor(scales), torch.tensor(cpu_scales), rtol=1e-4, atol=0)
         runs.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
     assert runs[0] == runs[1]
     same = sum(a == b for x, y in zip(runs[0], expected) for a, b in zip(x, y))

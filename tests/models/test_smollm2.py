@@ -127,14 +127,12 @@ def test_the_default_multiplies_the_ggufs_own_blocks_and_keeps_float32s_choices(
 
 
 def test_an_fp8_kv_cache_keeps_the_16_bit_caches_greedy_choices(llm):
-    """kv_cache_dtype='fp8' (e4m3, a scale per layer calibrated at load): half the bytes of the model-dtype cache,
+    """kv_cache_dtype='fp8' (e4m3, scale 1.0): half the bytes of the model-dtype cache,
     and the tokens it picks, prefill and decode reading fp8, are that cache's top-1 choices on the same contexts
     at nearly every position."""
     fp8 = LLM(max_model_len=512, num_kvcache_blocks=16, kvcache_block_size=64, kv_cache_dtype="fp8")
     assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn
     assert fp8.runner.kv_bytes_per_block * llm.runner.dtype.itemsize == llm.runner.kv_bytes_per_block
-    scales = [(layer.k_scale, layer.v_scale) for layer in fp8.runner.model.attention_layers()]
-    assert all(0 < k < 1 and 0 < v < 1 for k, v in scales) and len(set(scales)) > 1, scales  # calibrated, per layer
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     answers = fp8.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
