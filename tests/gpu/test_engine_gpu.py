@@ -133,7 +133,7 @@ def test_gpu_fp8_weights_run_with_graphs(tiny_qwen3):
         gpu = LLM(tiny_qwen3, device="cuda", quantization="fp8", kv_cache_dtype="fp8", enforce_eager=eager,
                   kvcache_block_size=16, num_kvcache_blocks=256, max_num_batched_tokens=128)
         layer = gpu.runner.model.model.layers[0]
-        assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-        assert layer.self_attn.qkv_proj.quant_method.scaled_mm
+        method = layer.self_attn.qkv_proj.linear_method
+        assert method.weight.dtype == torch.float8_e4m3fn and method.scaled_mm
         runs.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
     assert runs[0] == runs[1]
