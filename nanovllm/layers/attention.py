@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.attention.kv_fp8 import is_fp8
 from nanovllm.attention.metadata import get_forward_context, peek_forward_context
 
 
@@ -14,12 +15,17 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
         self.backend = None
-        # an fp8 cache holds K / k_scale and V / v_scale (attention/kv_fp8.py); 1.0 until checkpoints set them
+        # an fp8 cache holds K / k_scale and V / v_scale (attention/kv_fp8.py): the checkpoint's scales when it
+        # has them (loader/weights.py fills checkpoint_kv_scales: {"k_scale": ..., "v_scale": ...}), else 1.0
+        self.checkpoint_kv_scales: dict[str, float] = {}
         self.k_scale = self.v_scale = 1.0
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
         """Give this layer its KV cache views ([num_blocks, block_size, num_kv_heads, head_dim]) and backend."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+        fp8 = is_fp8(k_cache.dtype)
+        self.k_scale = self.checkpoint_kv_scales.get("k_scale", 1.0) if fp8 else 1.0
+        self.v_scale = self.checkpoint_kv_scales.get("v_scale", 1.0) if fp8 else 1.0
 
     def fuses_qkv(self, rotary, qkv: torch.Tensor | None = None) -> bool:
         """Whether forward_qkv can run (on this qkv, this step, inside a forward): the backend has a fused kernel

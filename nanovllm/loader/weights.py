@@ -11,6 +11,9 @@ from torch import nn
 
 # checkpoint tensors that carry nothing we need
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# an fp8 checkpoint's per-layer KV cache scales (vLLM's names: `<layer>.self_attn.k_scale` / `v_scale`, or under
+# `self_attn.attn.`): kept by the layer's attention, which uses them when its cache is fp8 (layers/attention.py)
+KV_SCALE_NAMES = ("k_scale", "v_scale")
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -64,6 +67,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
             continue
         if ckpt_name == "lm_head.weight" and tied:
             continue  # the LM head shares the embedding's weight
+        if ckpt_name.rsplit(".", 1)[-1] in KV_SCALE_NAMES:
+            _keep_kv_scale(model, ckpt_name, tensor, source)
+            continue
         if ckpt_name not in expected:
             raise ValueError(f"unexpected tensor {ckpt_name!r} in {source}: the model has no such parameter")
         param_name, shard_id = expected[ckpt_name]
@@ -81,6 +87,22 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
     if missing:
         shown = ", ".join(repr(m) for m in missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"{len(missing)} tensor(s) missing from {source}: {shown}")
+
+
+def _keep_kv_scale(model: nn.Module, ckpt_name: str, tensor: torch.Tensor, source: str) -> None:
+    owner, kind = ckpt_name.rsplit(".", 1)
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        module = None
+    attention = getattr(module, "attn", module)
+    if not hasattr(attention, "checkpoint_kv_scales") or tensor.numel() != 1:
+        raise ValueError(f"unexpected tensor {ckpt_name!r} {tuple(tensor.shape)} in {source}: a KV cache scale is "
+                         f"one number on an attention layer")
+    scale = float(tensor.float())
+    if not scale > 0:  # also NaN
+        raise ValueError(f"{ckpt_name!r} in {source} is {scale}: a KV cache scale must be > 0")
+    attention.checkpoint_kv_scales[kind] = scale
 
 
 def dummy_tensors(model: nn.Module, seed: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
