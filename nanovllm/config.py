@@ -75,7 +75,8 @@ class EngineConfig:
     # "prompt_lookup_min": n}, or its JSON (the CLI); parsed into a SpeculativeConfig; None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
     # fp8: the linear layers' float weights become e4m3 at load (a scale per output channel) and multiply e4m3
-    # activations (a scale per token) through torch._scaled_mm on CUDA (layers/quantization/fp8.py)
+    # activations (a scale per token) through torch._scaled_mm on CUDA (layers/quantization/fp8.py); an fp8
+    # checkpoint (its config's quantization_config) is read with its own block scales either way
     quantization: str | None = None
 
     def __post_init__(self) -> None:

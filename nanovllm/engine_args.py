@@ -51,9 +51,10 @@ HELP = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' "
                           "(drafts from the request's own earlier tokens, verified in one step; the same tokens)",
 
-    "quantization": "fp8: the linear layers' weights become e4m3 at load (a scale per output channel) and "
-                    "multiply e4m3 activations (a scale per token): torch._scaled_mm on CUDA (Hopper), a "
-                    "dequantized reference elsewhere",
+    "quantization": "fp8: a float checkpoint's linear weights become e4m3 at load (a scale per output channel) "
+                    "and multiply e4m3 activations (a scale per token): torch._scaled_mm on CUDA (Hopper), a "
+                    "dequantized reference elsewhere. An fp8 checkpoint (quantization_config quant_method fp8, "
+                    "128x128 blocks, as Qwen3-*-FP8) is read as it is, whatever this says",
 }
 
 

@@ -23,7 +23,13 @@ from nanovllm.engine.sampling import (
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.acceptance import accepted_tokens
 from nanovllm.kernels import cpu_ops
-from nanovllm.layers.quantization.fp8 import quantize_linear_layers
+from nanovllm.layers.quantization.fp8 import (
+    add_block_scales,
+    checkpoint_block_size,
+    expand_block_scales,
+    quantize_linear_layers,
+    use_block_scales,
+)
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
@@ -59,6 +65,10 @@ class ModelRunner:
         try:
             with torch.device(self.device), building_model(self.tp):
                 self.model = model_class(hf_config)(hf_config, max_model_len)
+                # an HF fp8 checkpoint: its e4m3 weights and block scales (layers/quantization/fp8.py)
+                fp8_blocks = checkpoint_block_size(hf_config) if config.load_format != "gguf" else None
+                if fp8_blocks is not None:
+                    add_block_scales(self.model, fp8_blocks)
         finally:
             torch.set_default_dtype(previous_dtype)
         self.model.eval()
@@ -66,9 +76,13 @@ class ModelRunner:
         if self.device.type == "cuda" and self.tp.size > 1 and not config.disable_custom_all_reduce:
             from nanovllm.distributed.symmetric_all_reduce import SymmetricAllReduce
             self.custom_all_reduce = self.tp.custom_all_reduce = SymmetricAllReduce.create(self.device)
-        load_weights(self.model, checkpoint_tensors(self.model, model_path, config, self.device),
-                     source=model_path if config.load_format != "dummy" else "dummy weights")
-        if config.quantization == "fp8":
+        tensors = checkpoint_tensors(self.model, model_path, config, self.device)
+        if fp8_blocks is not None:
+            tensors = expand_block_scales(tensors, self.model.checkpoint_shapes(), fp8_blocks)
+        load_weights(self.model, tensors, source=model_path if config.load_format != "dummy" else "dummy weights")
+        if fp8_blocks is not None:
+            use_block_scales(self.model, fp8_blocks)
+        elif config.quantization == "fp8":  # a float checkpoint quantized here
             quantize_linear_layers(self.model)
         if self.device.type == "cpu":
             # the CPU's matmuls are most of its time: each layer's linear method, chosen once (platforms/cpu/linear.py)

@@ -67,3 +67,90 @@ def quantize_linear_layers(model: nn.Module) -> int:
             module.weight.data = module.weight.data.new_empty(0)  # loading is over: one copy of the weights
             count += 1
     return count
+
+
+# -- HF fp8 checkpoints (quantization_config quant_method "fp8", block-wise weight_scale_inv) --------------------
+def checkpoint_block_size(hf_config) -> tuple[int, int] | None:
+    """An HF fp8 checkpoint's weight blocks [rows, cols] (its quantization_config), or None for a float one."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is None:
+        return None
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"the checkpoint's quantization_config quant_method {method!r} is not supported "
+                         f"(only 'fp8', block-wise)")
+    block = quant.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ValueError(f"fp8 checkpoints need a weight_block_size of two numbers (block-wise scales); got "
+                         f"{block!r}: per-tensor fp8 checkpoints are not supported")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"fp8 activation_scheme {quant['activation_scheme']!r} is not supported (only 'dynamic')")
+    return int(block[0]), int(block[1])
+
+
+def add_block_scales(model: nn.Module, block: tuple[int, int]) -> None:
+    """Before loading an fp8 checkpoint: every linear layer gets a `weight_scale_inv` parameter, one float32 per
+    output row and group of block[1] inputs (kernels/fp8_block_gemm.py), sharded by the layer's own loader.
+    The layer's weight keeps the model's dtype while loading: e4m3 values are exact in bfloat16 and float32."""
+    from nanovllm.layers.fused_moe import FusedExperts
+    from nanovllm.layers.linear import LinearBase
+    for name, module in model.named_modules():
+        if isinstance(module, FusedExperts):
+            raise ValueError("fp8 (block-wise) checkpoints of mixture-of-experts models are not supported yet")
+        if not isinstance(module, LinearBase):
+            continue
+        rows, cols = module.weight.shape
+        if cols % block[1]:
+            raise ValueError(f"{name}: {cols} inputs (per rank) are not a multiple of the checkpoint's fp8 block "
+                             f"{block[1]}")
+        scale = nn.Parameter(torch.empty(rows, cols // block[1], dtype=torch.float32), requires_grad=False)
+        scale.weight_loader = module.weight_loader
+        module.register_parameter("weight_scale_inv", scale)
+
+
+def expand_block_scales(tensors, shapes: dict[str, tuple[int, ...]], block: tuple[int, int]):
+    """A checkpoint's tensors with each block scale [ceil(N / bn), K / bk] repeated over its rows ([N, K / bk],
+    N from the weight's shape): the layers then cut their shards from it as from their weights."""
+    from nanovllm.kernels.fp8_block_gemm import scale_rows  # triton: imported only for fp8 checkpoints
+    for name, tensor in tensors:
+        if name.endswith(".weight_scale_inv"):
+            tensor = scale_rows(tensor, block[0], shapes[name.removesuffix("_scale_inv")][0])
+        yield name, tensor
+
+
+class Fp8BlockLinearMethod(LinearMethod):
+    """y = x W^T (+ b) with an fp8 checkpoint's e4m3 weight and block scales, through the block-scaled Triton GEMM
+    (activations per token and group of block_k inputs)."""
+
+    owns_weight = True
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, block_k: int):
+        from nanovllm.kernels.fp8_block_gemm import block_fp8_linear
+        self.weight, self.scales, self.block_k = weight.to(FP8_DTYPE), scales.contiguous(), block_k
+        self.gemm = block_fp8_linear
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            x = x.materialize()
+        return self.gemm(x, self.weight, self.scales, self.block_k, bias)
+
+
+def use_block_scales(model: nn.Module, block: tuple[int, int]) -> int:
+    """After loading an fp8 checkpoint: on CUDA each linear layer multiplies its e4m3 weight through
+    Fp8BlockLinearMethod; elsewhere its weight is dequantized into the model's dtype (the platform then picks a
+    method for it). Returns how many layers."""
+    from nanovllm.layers.linear import LinearBase
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, LinearBase) or "weight_scale_inv" not in module._parameters:
+            continue
+        scales = module._parameters.pop("weight_scale_inv").data
+        weight = module.weight.data
+        if weight.is_cuda:
+            module.linear_method = Fp8BlockLinearMethod(weight, scales, block[1])
+            module.weight.data = weight.new_empty(0)
+        else:
+            module.weight.data = (weight.float() * scales.repeat_interleave(block[1], 1)).to(weight.dtype)
+        count += 1
+    return count
