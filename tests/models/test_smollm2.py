@@ -16,6 +16,8 @@ QUESTIONS = [
     "Give me a synonym for happy.",
 ]
 NEW_TOKENS = 32
+# the fp8 KV cache's teacher-forced top-1 agreement with the bfloat16 cache: measured 0.947 (docs/benchmarks.md)
+FP8_KV_FLOOR = 0.93
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +128,20 @@ def test_the_default_multiplies_the_ggufs_own_blocks_and_keeps_float32s_choices(
     assert len(ranks) == 120 and sum(r == 1 for r in ranks) >= 114, ranks
 
 
-def test_an_fp8_kv_cache_keeps_the_16_bit_caches_greedy_choices(llm):
-    """kv_cache_dtype='fp8' (e4m3, scale 1.0): half the bytes of the model-dtype cache,
-    and the tokens it picks, prefill and decode reading fp8, are that cache's top-1 choices on the same contexts
-    at nearly every position."""
-    fp8 = LLM(max_model_len=512, num_kvcache_blocks=16, kvcache_block_size=64, kv_cache_dtype="fp8")
-    assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn
-    assert fp8.runner.kv_bytes_per_block * llm.runner.dtype.itemsize == llm.runner.kv_bytes_per_block
-    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    answers = fp8.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    assert "Paris" in answers[0].text
-    scored = llm.generate([{"prompt_token_ids": p + a.token_ids} for p, a in zip(prompts, answers)],
-                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    ranks = [s.prompt_logprobs[len(p) + i][t].rank
-             for p, a, s in zip(prompts, answers, scored) for i, t in enumerate(a.token_ids)]
-    assert len(ranks) == 80 and sum(r == 1 for r in ranks) >= 74, ranks
+def test_an_fp8_kv_cache_agrees_with_the_bfloat16_cache_teacher_forced():
+    """kv_cache_dtype='fp8' (e4m3, scale 1.0) on the CPU torch path, against the bfloat16 cache with the same
+    bfloat16 weights: both score the bfloat16 engine's greedy chat answers, and the fp8 cache's top-1 token is the
+    bfloat16 cache's at nearly every one of 1,024 positions (docs/benchmarks.md has the figures of every scale
+    scheme tried; the floor is the measured figure less a margin)."""
+    from benchmarks.kv_cache_quality import agreement, chat_prompts, greedy_answers, top1_tokens
+    common = dict(dtype="bfloat16", max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=512,
+                  enable_prefix_caching=False)
+    bf16 = LLM(**common)
+    prompts = chat_prompts(bf16, 64)
+    answers = greedy_answers(bf16, prompts, 16)
+    expected = top1_tokens(bf16, prompts, answers)
+    bf16_block_bytes = bf16.runner.kv_bytes_per_block
+    del bf16
+    fp8 = LLM(**common, kv_cache_dtype="fp8")
+    assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn and 2 * fp8.runner.kv_bytes_per_block == bf16_block_bytes
+    assert len(expected) == 1024 and agreement(top1_tokens(fp8, prompts, answers), expected) >= FP8_KV_FLOOR
