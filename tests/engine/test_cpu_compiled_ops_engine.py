@@ -119,7 +119,7 @@ def test_kv_cache_dtype_defaults_and_errors():
         torch.float32
     assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="float16").kv_torch_dtype == torch.float16
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
-        EngineConfig(device="cpu", kv_cache_dtype="fp8")
+        EngineConfig(device="cpu", kv_cache_dtype="fp8_e5m2")  # e4m3 only
     assert EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="int8").kv_torch_dtype == torch.int8
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8' needs a float32 model.*bfloat16"):
         EngineConfig(device="cpu", dtype="bfloat16", kv_cache_dtype="int8")
