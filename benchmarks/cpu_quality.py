@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop("NANOVLLM_CPU_DTYPE", None)
     from nanovllm import LLM
-    from nanovllm.kernels import cpu_ops
+    from nanovllm.platforms.cpu import cpu_ops
 
     common = dict(model=args.model, max_model_len=1024, kvcache_block_size=16, num_kvcache_blocks=512)
     reference = LLM(dtype="float32", **common)

@@ -15,7 +15,7 @@ DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-# the KV cache also takes int8 on the CPU (a scale per token and KV head: kernels/cpu_ops.py) and fp8 e4m3
+# the KV cache also takes int8 on the CPU (a scale per token and KV head: platforms/cpu/cpu_ops.py) and fp8 e4m3
 # anywhere (a scale per layer: attention/kv_fp8.py), under vLLM's names
 KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")

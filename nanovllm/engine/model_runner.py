@@ -22,7 +22,6 @@ from nanovllm.engine.sampling import (
 )
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.acceptance import accepted_tokens
-from nanovllm.kernels import cpu_ops
 from nanovllm.layers.quantization.fp8 import (
     add_block_scales,
     checkpoint_block_size,
@@ -33,7 +32,8 @@ from nanovllm.layers.quantization.fp8 import (
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
-from nanovllm.platforms.cpu.linear import prepare_model
+from nanovllm.platforms.cpu import cpu_ops
+from nanovllm.platforms.cpu.model import prepare_model
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ModelRunner:
         elif config.quantization == "fp8":  # a float checkpoint quantized here
             quantize_linear_layers(self.model)
         if self.device.type == "cpu":
-            # the CPU's matmuls are most of its time: each layer's linear method, chosen once (platforms/cpu/linear.py)
+            # the CPU's own norm/activation/rotary layers and each linear layer's method, chosen once (platforms/cpu/)
             prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles, config.cpu.block_passes)
 
         self.backend = make_attention_backend(config)

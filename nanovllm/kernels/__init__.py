@@ -1,2 +1,3 @@
 """Kernels: Triton kernels for the paged KV cache (store, prefill and decode attention, sampling; each of those
-modules imports triton), and the CPU's compiled decode ops (cpu_ops)."""
+modules imports triton). The CPU's compiled ops are in nanovllm/platforms/cpu/cpu_ops.py (cpu_ops here is that
+module under its old name)."""

@@ -17,12 +17,8 @@ class LinearMethod:
 
     # the method keeps its own copy of the weight: the layer's float parameter may be released after loading
     owns_weight = False
-    # the method takes rows as platforms/cpu/row_scale.RowScaled (normalized values and a scale apart)
-    takes_row_scaled = False
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):  # rows with their scale apart (platforms/cpu/row_scale.RowScaled)
-            x = x.materialize()
         return F.linear(x, layer.weight, bias)
 
 

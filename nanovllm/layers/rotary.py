@@ -46,33 +46,15 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim] each; float32, cast to the activations' dtype on use
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-        # CPU: (positions, cos, sin with its first half negated) of the step
-        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        if q.is_cuda:
-            return apply_rotary(positions, q, k, self.cos, self.sin)
-        return self.rotate_cpu(positions, q), self.rotate_cpu(positions, k)
+        return apply_rotary(positions, q, k, self.cos, self.sin)
 
-    def rotate_cpu(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x rotated, as a new contiguous tensor; x: [num_tokens, heads, head_dim], any strides (e.g. the q and k
-        heads of a fused qkv projection, rotated in one go).
-
-        Three ops instead of _rotate's six (each small op costs microseconds on the CPU, and a decode step runs
-        this once or twice per layer): x * cos, then each half adds the other half times a sin whose first half
-        is negated (rotate_half(x) * sin without building rotate_half(x))."""
-        half = x.shape[-1] // 2
-        # every layer of a step rotates at the same positions (one tensor): look cos/sin up once per step
-        if self._step is None or self._step[0] is not positions or self._step[1].dtype != x.dtype:
-            signed_sin = self.sin[positions].unsqueeze(1).to(x.dtype)  # a copy (indexed): safe to negate
-            signed_sin[..., :half].neg_()
-            self._step = (positions, self.cos[positions].unsqueeze(1).to(x.dtype), signed_sin)
-        _, cos, signed_sin = self._step
-        out = x * cos
-        out[..., :half].addcmul_(x[..., half:], signed_sin[..., :half])
-        out[..., half:].addcmul_(x[..., :half], signed_sin[..., half:])
-        return out
+    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int):
+        """(q, k) rotated, from their heads side by side ([num_tokens, q heads + k heads, head_dim], e.g. a view of
+        a fused qkv projection)."""
+        return self(positions, qk[:, :num_q_heads], qk[:, num_q_heads:])
 
 
 @cuda_compiled

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanovllm.kernels import cpu_ops
+from nanovllm.platforms.cpu import cpu_ops
 
 
 @dataclass

@@ -59,20 +59,15 @@ class DecoderAttention(nn.Module):
             out = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm)
             return self.o_proj(out.flatten(1, -1))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if not qkv.is_cuda and self.q_norm is None:
-            # CPU: q and k sit side by side in qkv, so one rotation covers both (fewer small ops per layer)
+        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k sit side by side in qkv: the rotary may rotate both in one go
             qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = self.rotary.rotate_cpu(positions, qk)
-            v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-            out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v)
-            return self.o_proj(out.flatten(1, -1))
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = self.rotary.rotate_qk(positions, qk, self.num_heads)
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out.flatten(1, -1))
 
@@ -163,24 +158,6 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
-
-    def use_row_scales(self) -> None:
-        """cpu_int8's fbgemm steps (platforms/cpu/row_scale.py): the norms and the activation that feed int8 linears
-        write their rows normalized, and o_proj, gate_up_proj and down_proj hand their products on with the row
-        scale still to apply, to the residual add + norm and the activation after them, which apply it as they
-        read: six passes over a tensor fewer per layer. Only in layers whose linears all take such rows, on one
-        rank."""
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(mlp, DecoderMLP):
-                continue  # experts multiply in the model's dtype
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(not linear.linear_method.takes_row_scaled or linear.tp_size > 1 for linear in linears):
-                continue
-            layer.input_layernorm.emits_row_scaled = layer.post_attention_layernorm.emits_row_scaled = True
-            mlp.act.emits_row_scaled = True
-            for linear in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                linear.linear_method.keeps_row_scale = True
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,4 +1,4 @@
-"""The engine on the CPU runs its steps through the compiled ops (kernels/cpu_ops.py) and still gives
+"""The engine on the CPU runs its steps through the compiled ops (platforms/cpu/cpu_ops.py) and still gives
 transformers' greedy tokens; under cpu_int8, steps of one or two rows take the int8 matrix-vector kernel."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.kernels import cpu_ops
+from nanovllm.platforms.cpu import cpu_ops
 from tests.helpers import hf_greedy, save_tiny_model
 
 

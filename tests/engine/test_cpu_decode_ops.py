@@ -7,6 +7,7 @@ import torch
 from nanovllm.attention.torch_backend import decode_attention_cpu, decode_attention_ref, decode_plan
 from nanovllm.layers.norm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary import RotaryEmbedding, _rotate
+from nanovllm.platforms.cpu.layers import CpuRMSNorm, CpuRotaryEmbedding
 from tests.helpers import tiny_config
 
 
@@ -19,13 +20,15 @@ def test_rotate_cpu_matches_rotate_half_on_a_packed_qkv(num_tokens):
     config = tiny_config("llama")  # llama3-scaled frequencies
     num_heads, num_kv_heads = 9, 3
     head_dim = config.hidden_size // config.num_attention_heads
-    rotary = RotaryEmbedding(config, head_dim, 512)
+    rotary = CpuRotaryEmbedding(RotaryEmbedding(config, head_dim, 512))
     positions = torch.randint(0, 512, (num_tokens,))
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
     # q and k heads side by side in the fused projection: a strided view, rotated in one call
     qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(num_tokens, -1, head_dim)
-    out = rotary.rotate_cpu(positions, qk)
+    out = rotary.rotate(positions, qk)
     torch.testing.assert_close(out, reference_rotary(rotary, positions, qk), atol=1e-6, rtol=1e-6)
+    q_out, k_out = rotary.rotate_qk(positions, qk, num_heads)
+    assert torch.equal(q_out, out[:, :num_heads]) and torch.equal(k_out, out[:, num_heads:])
     # forward (separate q and k) takes the same path; a new positions tensor must not reuse the cached tables
     q, k = qk[:, :num_heads], qk[:, num_heads:]
     other = (positions + 1) % 512
@@ -36,7 +39,7 @@ def test_rotate_cpu_matches_rotate_half_on_a_packed_qkv(num_tokens):
 
 @pytest.mark.parametrize("rows", [1, 7])
 def test_rms_norm_on_the_cpu_equals_the_reference(rows):
-    norm = RMSNorm(96, 1e-6)
+    norm = CpuRMSNorm(RMSNorm(96, 1e-6))
     norm.weight.data = torch.randn(96)
     x, residual = torch.randn(rows, 96) * 3, torch.randn(rows, 96)
     torch.testing.assert_close(norm(x), rms_norm.__wrapped__(x, norm.weight, 1e-6), atol=1e-6, rtol=1e-6)
@@ -81,3 +84,26 @@ def test_batch_of_equal_lengths_needs_no_mask_and_a_ragged_one_does():
         out = decode_attention_cpu(q, k_cache, v_cache, plan, 0.25)
         torch.testing.assert_close(out, decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.25),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_a_cpu_model_gets_the_cpu_layers_once_and_keeps_its_weights(tiny_qwen3) -> None:
+    """layers/ keeps one device-agnostic forward each; a loaded CPU model's norms, activations and its one shared
+    rotary are replaced by the CPU's versions (platforms/cpu/layers.py), which read the same weights and tables."""
+    from nanovllm import LLM
+    from nanovllm.layers.activation import SiluAndMul
+    from nanovllm.platforms.cpu.layers import CpuSiluAndMul, use_cpu_layers
+
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, num_kvcache_blocks=16)
+    model = llm.runner.model
+    layers = model.model.layers
+    assert all(type(m) in (CpuRMSNorm, CpuSiluAndMul, CpuRotaryEmbedding) for m in model.modules()
+               if isinstance(m, (RMSNorm, SiluAndMul, RotaryEmbedding)))
+    assert len({id(layer.self_attn.rotary) for layer in layers}) == 1, "one rotary, still shared"
+    state = {name: tensor for name, tensor in model.state_dict().items()}
+    assert use_cpu_layers(model) == 0, "nothing left to replace"
+    plain = RMSNorm(model.model.norm.weight.shape[0], model.model.norm.eps)
+    plain.weight = model.model.norm.weight
+    x = torch.randn(3, plain.weight.shape[0])
+    torch.testing.assert_close(model.model.norm(x), plain(x), atol=1e-6, rtol=1e-6)
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+    llm.close()

@@ -130,7 +130,7 @@ def test_tied_lm_head_keeps_the_embedding_weight(monkeypatch):
     model.head.weight = model.embed.weight
     hidden = torch.randn(3, 16)
     expected = F.linear(hidden, model.embed.weight)
-    assert cpu_linear.prepare_model(model, "packed") == 1
+    assert cpu_linear.use_linear_methods(model, "packed") == 1
     assert model.embed.weight.numel() == 100 * 16
     torch.testing.assert_close(model.head(hidden), expected, atol=1e-5, rtol=1e-5)
 
@@ -216,7 +216,7 @@ def test_quantized_linear_tracks_float32_and_keeps_one_copy(path, bound):
 def test_int8_tiles_replace_fbgemms_copy_and_keep_the_few_row_kernels_numbers(monkeypatch):
     """Where the compiled tiles are wanted, an int8 layer keeps them and the few-row kernel's copy (no fbgemm copy,
     no float32 weight); every row count gives the few-row kernel's product, row by row, RowScaled input too."""
-    from nanovllm.kernels import cpu_ops
+    from nanovllm.platforms.cpu import cpu_ops
 
     torch.manual_seed(0)
     layer = QKVParallelLinear(64, 16, 4, 2, bias=True)
@@ -283,7 +283,7 @@ def test_int8_row_scales_handed_between_ops_give_the_same_logits(tiny_qwen3, mon
     """Under cpu_int8 the norms and the activation write their rows normalized for the int8 linears, and o_proj,
     gate_up_proj and down_proj leave their row scale to the op after them (platforms/cpu/row_scale.RowScaled): the logits are
     those of applying every scale at the linear, bit for bit (the same roundings in the same order)."""
-    from nanovllm.kernels import cpu_ops
+    from nanovllm.platforms.cpu import cpu_ops
 
     if not compiled:
         monkeypatch.setattr(cpu_ops, "load", lambda: None)
@@ -329,11 +329,11 @@ def test_int8_row_scales_handed_between_ops_give_the_same_logits(tiny_qwen3, mon
 
 def test_row_scaled_input_reaches_every_linear_path():
     """A RowScaled input (normalized rows + their scales) gives the plain input's product on int8's few-row kernel,
-    fbgemm, the tiles, the 4/8-bit blocks and a layer on its float weight."""
+    fbgemm, the tiles and the 4/8-bit blocks."""
     torch.manual_seed(2)
     x = torch.randn(6, 64)
     scaled = RowScaled(*normalize_rows(x))
-    for kind, option in (("int8", "fbgemm only"), ("int8", None), ("int8", "tiles"), ("blocks", None), ("float", None)):
+    for kind, option in (("int8", "fbgemm only"), ("int8", None), ("int8", "tiles"), ("blocks", None)):
         layer = QKVParallelLinear(64, 16, 4, 2)
         layer.weight.data.normal_()
         cpu_linear.set_linear_method(layer, cpu_linear.linear_method(layer.weight, kind, int8_tiles=option == "tiles"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels import cpu_ops
+from nanovllm.platforms.cpu import cpu_ops
 
 gguf = pytest.importorskip("gguf")
 BLOCK = cpu_ops.QUANT_BLOCK

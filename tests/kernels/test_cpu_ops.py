@@ -1,4 +1,4 @@
-"""The CPU's compiled ops (kernels/cpu_ops.c) against their torch references."""
+"""The CPU's compiled ops (platforms/cpu/cpu_ops.c) against their torch references."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from nanovllm.attention.torch_backend import (
     store_kvcache_ref,
     token_rows,
 )
-from nanovllm.kernels import cpu_ops
+from nanovllm.platforms.cpu import cpu_ops
 
 if cpu_ops.load() is None:  # the suite's machines have a C compiler; say so loudly if one does not
     pytest.fail("the CPU decode ops did not build (no C compiler, or NANOVLLM_CPU_KERNELS=0)", pytrace=False)

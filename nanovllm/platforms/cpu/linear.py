@@ -7,7 +7,7 @@ bound by memory bandwidth, not FLOPs; many rows are bound by arithmetic.
 - ``BlockLinear`` (the default with no flags where the compiled ops have AVX2 or AVX512-VNNI): weights in blocks of
   32 inputs with a float16 scale each, 4 bits (w = d q + m: GGUF's Q4_0 and Q4_1 blocks, taken as they are) or 8
   bits (w = d q: GGUF's Q8_0, and every other source rounded to it), activations quantized per block of 32 as
-  llama.cpp does (kernels/cpu_ops.py, linear_blocks). A 4-bit weight reads 0.625 bytes, float32's 4.
+  llama.cpp does (platforms/cpu/cpu_ops.py, linear_blocks). A 4-bit weight reads 0.625 bytes, float32's 4.
 - ``PackedLinear``: the weight reordered once into oneDNN's blocked layout, 4-16 % faster than F.linear on a
   2-core AVX2 machine but with state for every new row count (opt-in: NANOVLLM_CPU_PACK=1).
 - ``Fp16Linear`` (cpu_fp16): fbgemm's float16-weight GEMM, float32 activations and sums. Measured on a 2-core AVX2
@@ -26,8 +26,8 @@ import warnings
 
 import torch
 
-from nanovllm.kernels import cpu_ops
 from nanovllm.layers.linear_method import UNQUANTIZED, LinearMethod
+from nanovllm.platforms.cpu import cpu_ops
 from nanovllm.platforms.cpu.row_scale import RowScaled, fbgemm_takes, normalize_rows
 
 # the batch size oneDNN picks the packed layout for (a hint: any number of rows works)
@@ -95,7 +95,7 @@ def int8_linear(x: torch.Tensor | RowScaled, packed: torch.Tensor, bias: torch.T
 
 
 class Int8Linear(LinearMethod):
-    """int8 weights, one scale per output channel, in up to two copies: ``rows`` (kernels/cpu_ops.linear_i8, steps
+    """int8 weights, one scale per output channel, in up to two copies: ``rows`` (platforms/cpu/cpu_ops.linear_i8, steps
     of one or two rows; None without the compiled ops) and, for more rows, ``tiles`` (cpu_ops.linear_i8_tiles)
     or ``packed`` (fbgemm)."""
 
@@ -107,8 +107,8 @@ class Int8Linear(LinearMethod):
         self.rows = quantized
         self.tiles = cpu_ops.int8_tiles(*quantized) if tiles and quantized is not None else None
         self.packed = int8_weight(weight) if self.tiles is None else None
-        # return the product as RowScaled, its row scale left to the op that reads it (set by the model, which
-        # knows which ops follow which layer: DecoderForCausalLM.use_row_scales)
+        # return the product as RowScaled, its row scale left to the op that reads it (set where the op after it
+        # takes that: model.plan_row_scales)
         self.keeps_row_scale = False
 
     @property
@@ -127,7 +127,7 @@ class Int8Linear(LinearMethod):
 
 
 class BlockLinear(LinearMethod):
-    """4- or 8-bit weight blocks (kernels/cpu_ops.BlockWeight) at every row count."""
+    """4- or 8-bit weight blocks (platforms/cpu/cpu_ops.BlockWeight) at every row count."""
 
     owns_weight = True
 
@@ -172,7 +172,7 @@ def check_fbgemm(what: str) -> None:
                          f"{torch.backends.quantized.supported_engines}.")
 
 
-def prepare_model(model: torch.nn.Module, kind: str, int8_tiles: bool = False, block_passes: int = 2) -> int:
+def use_linear_methods(model: torch.nn.Module, kind: str, int8_tiles: bool = False, block_passes: int = 2) -> int:
     """Give every linear layer and the LM head of a loaded CPU model the method of kind; returns how many changed.
 
     kind: the config's ``cpu_linear`` (settings.CPU_LINEAR_METHODS). int8_tiles: int8's steps of many rows
@@ -196,7 +196,5 @@ def prepare_model(model: torch.nn.Module, kind: str, int8_tiles: bool = False, b
         if method is not UNQUANTIZED:
             set_linear_method(module, method, release=users[id(module.weight)] == 1)
             count += 1
-    if kind == "int8" and hasattr(model, "use_row_scales"):
-        model.use_row_scales()  # the model knows which op reads which layer's output
     return count
 

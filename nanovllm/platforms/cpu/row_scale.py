@@ -3,7 +3,7 @@
 fbgemm's int8 linear takes one activation scale for a whole tensor, so each row is normalized to a largest
 magnitude of 1 first and its product multiplied back (platforms/cpu/linear.int8_linear). The norms and the
 activation that feed such a linear can write their rows normalized, and o_proj, gate_up_proj and down_proj can
-leave their row scale to the op after them (DecoderForCausalLM.use_row_scales decides, once, where): six passes
+leave their row scale to the op after them (model.plan_row_scales decides, once, where): six passes
 over a tensor fewer per layer.
 """
 
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanovllm.kernels import cpu_ops
+from nanovllm.platforms.cpu import cpu_ops
 
 
 class RowScaled(NamedTuple):

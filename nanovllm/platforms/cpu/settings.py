@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.kernels import cpu_ops
+from nanovllm.platforms.cpu import cpu_ops
 
 # how a CPU linear layer multiplies (platforms/cpu/linear.py): float = F.linear on the float weight, packed =
 # oneDNN's packed copy, fp16 = fbgemm's float16 weights, int8 = int8 weights, blocks = 4/8-bit weight blocks

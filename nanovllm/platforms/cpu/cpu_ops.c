@@ -1,4 +1,4 @@
-/* The CPU's fused ops: float32, compiled on first use by nanovllm/kernels/cpu_ops.py.
+/* The CPU's fused ops: float32, compiled on first use by nanovllm/platforms/cpu/cpu_ops.py.
 
    Why C: on a small CPU a decode step of one request runs ~30 small torch ops per layer at 3-90 us each
    (dispatch, allocation, and thread wake-ups for tensors of a few hundred floats), as long as its matmuls.
