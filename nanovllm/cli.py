@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
 import time
+import warnings
 
-from nanovllm.engine_args import add_engine_args, engine_kwargs
+from nanovllm.engine_args import DefaultsHelpFormatter, add_engine_args, engine_kwargs
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
+CHAT_HELP = """commands:
+  /help          this list
+  /reset         clear the conversation (the --system message stays)
+  /exit, /quit   leave (Ctrl-D too)
+Ctrl-C stops a reply and returns to the prompt; arrow keys edit the line and recall earlier messages."""
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -50,18 +60,35 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         with open(args.file, encoding="utf-8") as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts or prompts == ["-"]:
+        if sys.stdin.isatty():
+            print("Reading prompts from stdin, one per line; end with Ctrl-D.", file=sys.stderr, flush=True)
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     return prompts
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def load_llm(args: argparse.Namespace):
+    """The engine of the flags, saying what it loads and the KV pool it got (on stderr; not with --quiet)."""
     from nanovllm import LLM
+    from nanovllm.config import EngineConfig
+    from nanovllm.engine.summary import kv_cache_line, loading_line
 
+    kwargs = engine_kwargs(args)
+    if not args.quiet:
+        with warnings.catch_warnings():  # LLM validates the same arguments again, and warns then
+            warnings.simplefilter("ignore")
+            print(loading_line(EngineConfig(**kwargs)), file=sys.stderr, flush=True)
+    llm = LLM(**kwargs)
+    if not args.quiet:
+        print(kv_cache_line(llm), file=sys.stderr, flush=True)
+    return llm
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     if not prompts:
         print("error: no prompts (give them as arguments, with --file, or on stdin)", file=sys.stderr)
         return 2
-    llm = LLM(**engine_kwargs(args))
+    llm = load_llm(args)
     params = sampling_params_from(args)
     use_template = not args.raw and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None)
     inputs = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}]), "prompt": p}
@@ -79,44 +106,86 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from nanovllm import LLM
-
-    llm = LLM(**engine_kwargs(args))
-    params = sampling_params_from(args)
-    conversation: list[dict] = []
-    if args.system:
-        conversation.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
     if interactive:
-        print("nanovllm chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.")
+        import readline  # noqa: F401  (input() then edits the line and keeps this session's history)
+    llm = load_llm(args)
+    params = sampling_params_from(args)
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    conversation = list(opening)
+    if interactive:
+        print("nanovllm chat: type a message; /help lists the commands, Ctrl-D quits.")
     while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            break
-        message = line.strip()
+        message = read_message(interactive)
+        if message is None:  # end of input (Ctrl-D)
+            if interactive:
+                print()
+            return 0
         if not message:
             continue
-        if message in ("/exit", "/quit"):
-            break
-        if message == "/reset":
-            conversation = conversation[:1] if args.system else []
-            print("(conversation cleared)")
+        if message.startswith("/"):
+            command = message.split()[0]
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/help":
+                print(CHAT_HELP)
+            elif command == "/reset":
+                conversation = list(opening)
+                print("(conversation cleared)")
+            else:
+                print(f"unknown command {command!r}: /help lists the commands")
             continue
         conversation.append({"role": "user", "content": message})
-        prompt = {"prompt_token_ids": llm.apply_chat_template(conversation)}
-        reply = stream_reply(llm, prompt, params)
+        with InterruptFlag() as interrupt:
+            prompt = {"prompt_token_ids": llm.apply_chat_template(conversation)}
+            reply = stream_reply(llm, prompt, params, interrupt)
+        if interrupt.raised:
+            print("(interrupted)")
+            if not reply:  # nothing was said: the message goes too, as if never sent
+                conversation.pop()
+                continue
         conversation.append({"role": "assistant", "content": reply})
-    return 0
 
 
-def stream_reply(llm, prompt, params) -> str:
-    """Print the reply as its tokens arrive; return its full text."""
+def read_message(interactive: bool) -> str | None:
+    """The next message, stripped; None at end of input. At a terminal Ctrl-C drops the line being typed."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line.strip() if line else None
+    while True:
+        try:
+            return input("> ").strip()
+        except EOFError:
+            return None
+        except KeyboardInterrupt:
+            print()  # a fresh prompt, as a shell gives
+
+
+class InterruptFlag:
+    """While active, Ctrl-C (SIGINT) only sets ``raised``: the reply loop reads it between engine steps, so a step
+    is never cut in the middle and the engine stays consistent for the next message."""
+
+    def __init__(self):
+        self.raised = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+
+    def __enter__(self) -> InterruptFlag:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def stream_reply(llm, prompt, params, interrupt: InterruptFlag) -> str:
+    """Print the reply as its tokens arrive, until it ends or ``interrupt`` is raised; return its text."""
     request_id = llm.add_request(prompt, params)
-    shown, finished = "", False
+    shown, finished, output = "", False, None
     try:
-        while not finished:
+        while not finished and not interrupt.raised:
             llm.step()
             output = llm.make_output(request_id)
             text = output.outputs[0].text
@@ -127,9 +196,9 @@ def stream_reply(llm, prompt, params) -> str:
     finally:
         if finished:
             llm.pop_finished(request_id)
-        else:  # interrupted (Ctrl-C): free the request's blocks
+        else:  # interrupted: free the request's blocks
             llm.abort_request(request_id)
-    final = output.outputs[0].text
+    final = output.outputs[0].text if finished else shown
     if final.startswith(shown):
         print(final[len(shown):], end="")
     print(flush=True)
@@ -140,19 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="A fast, readable LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete prompts offline and print the results")
+    gen = sub.add_parser("generate", help="complete prompts offline and print the results",
+                         formatter_class=DefaultsHelpFormatter)
     gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
     gen.add_argument("--file", help="read prompts from this file, one per line")
     gen.add_argument("--raw", action="store_true",
                      help="send prompts as plain text (default: wrap each as a user message in the model's "
                           "chat template when it has one)")
-    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.add_argument("--quiet", action="store_true", help="no loading lines, no progress bar: only the results")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="an interactive chat that streams the reply")
+    chat = sub.add_parser("chat", help="an interactive chat that streams the reply",
+                          formatter_class=DefaultsHelpFormatter)
     chat.add_argument("--system", help="a system message that opens the conversation")
+    chat.add_argument("--quiet", action="store_true", help="no loading lines")
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
@@ -173,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop, without a traceback
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of stdout left (`nanovllm generate ... | head`): no flush at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

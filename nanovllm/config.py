@@ -37,7 +37,8 @@ class EngineConfig:
     # whole blocks: a chat template's system prompt of ~20-30 tokens fills one 16-token block, none of 256)
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None  # explicit pool size; else from memory (below)
-    kv_cache_memory_bytes: int | None = None  # pool size in bytes; default 2 GiB on the CPU
+    # pool size in bytes; default on the CPU: max_num_seqs x max_model_len tokens, at most 2 GiB
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (CUDA only)
     enable_prefix_caching: bool = True
     # the prefix cache's block hash: xxh64 (fast) or sha256; a hit is exact with either (engine/block_manager.py)

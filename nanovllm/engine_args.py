@@ -15,7 +15,9 @@ HELP = {
     "max_num_batched_tokens": "token budget of one engine step (longer prompts are prefilled in chunks)",
     "kvcache_block_size": "tokens per KV-cache block (a power of two; default 256 on CUDA, 16 on the CPU)",
     "num_kvcache_blocks": "KV-cache pool size in blocks (default: from memory)",
-    "kv_cache_memory_bytes": "KV-cache pool size in bytes (default on the CPU: 2 GiB)",
+    "kv_cache_memory_bytes": "KV-cache pool size in bytes (default on the CPU: what max_num_seqs requests of "
+                             "max_model_len tokens can hold, at most 2 GiB; its pages are taken as they are first "
+                             "written)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "prefix_caching_hash_algo": "hash of the prefix cache's blocks: xxh64 (default) or sha256 (as vLLM's); a hit "
@@ -56,6 +58,17 @@ HELP = {
                     "dequantized reference elsewhere. An fp8 checkpoint (quantization_config quant_method fp8, "
                     "128x128 blocks, as Qwen3-*-FP8) is read as it is, whatever this says",
 }
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows each flag's default, unless its text already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        nothing = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not action.option_strings or "default" in text or nothing or text == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:

@@ -42,6 +42,7 @@ class CoreInfo:
     max_num_seqs: int
     eos_token_ids: list[int]
     pid: int
+    kv_cache: str  # the KV pool's size and token capacity, as engine/summary.py says it at start
 
 
 # What one step added to one sample of a request, as a plain tuple (unpickling a NamedTuple calls its class per
@@ -230,8 +231,9 @@ def run_engine_core(conn, engine_args: dict) -> None:
         engine = LLMEngine(**engine_args)
         if engine.config.device == "cpu" and engine.config.tensor_parallel_size == 1:
             _leave_a_core_to_the_front_end()
+        from nanovllm.engine.summary import kv_cache_line
         info = CoreInfo(engine.model_path, engine.tokenizer, engine.request_limits, engine.config.max_num_seqs,
-                        sorted(engine.eos_token_ids), os.getpid())
+                        sorted(engine.eos_token_ids), os.getpid(), kv_cache_line(engine))
     except BaseException as e:
         try:  # the exception itself, so the front end can raise a user's error (a bad path, a bad flag) as such
             conn.send(("failed", e))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import numpy as np
 import torch
@@ -45,6 +47,14 @@ def make_attention_backend(config: EngineConfig):
         return TritonAttentionBackend()
     from nanovllm.attention.torch_backend import TorchAttentionBackend
     return TorchAttentionBackend()
+
+
+def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in anonymous mapped memory: the OS backs a page with RAM when it is first written, so
+    the process holds the KV blocks used so far, not the whole pool from the start (torch.zeros writes it all)."""
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, max(count * dtype.itemsize, 1))  # anonymous: zero-filled by the OS
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping alive
 
 
 class ModelRunner:
@@ -122,10 +132,14 @@ class ModelRunner:
         config = self.config
         if config.num_kvcache_blocks is not None:
             return config.num_kvcache_blocks
-        if config.kv_cache_memory_bytes is not None or self.device.type != "cuda":
+        if config.kv_cache_memory_bytes is not None:
+            num_blocks = config.kv_cache_memory_bytes // self.kv_bytes_per_block
+        elif self.device.type != "cuda":
+            # what the limits let requests hold at once (max_num_seqs of max_model_len tokens each), within the
+            # default budget: a server with small limits does not reserve the whole budget
             from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES
-            budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-            num_blocks = budget // self.kv_bytes_per_block
+            blocks_per_seq = -(-self.max_model_len // self.block_size)
+            num_blocks = min(config.max_num_seqs * blocks_per_seq, DEFAULT_CPU_KV_CACHE_BYTES // self.kv_bytes_per_block)
         else:
             num_blocks = self._profile_free_blocks()
         if num_blocks < 1:
@@ -186,8 +200,12 @@ class ModelRunner:
             raise ValueError("kv_cache_dtype 'int8' is read by the compiled CPU ops only, and they did not build (no "
                              "C compiler, or NANOVLLM_CPU_KERNELS=0): use 'auto' or 'float16'.")
         # [k/v, layer, block, offset, kv_head, head_dim (int8: + its scale's 4 bytes)]
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, head.num_kv_heads,
-                                    cpu_ops.kv_cache_row_width(dtype, head.head_dim), dtype=dtype, device=self.device)
+        shape = (2, len(layers), num_blocks, self.block_size, head.num_kv_heads,
+                 cpu_ops.kv_cache_row_width(dtype, head.head_dim))
+        if self.device.type == "cpu":
+            self.kv_cache = zeroed_on_first_touch(shape, dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.bind(self.kv_cache[0, i], self.kv_cache[1, i], self.backend)
 

@@ -6,11 +6,11 @@ import dataclasses
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -48,6 +48,12 @@ def now() -> int:
 
 
 # -- request bodies ---------------------------------------------------------------------------------------------
+# Fields are typed strictly where OpenAI is: a boolean is true or false (not 1 or "yes"), a number is not a string,
+# and a token id is an integer, never a boolean (JSON's true would otherwise pass as the id 1).
+# The roles OpenAI's chat API knows; any other is refused, as there.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class OpenAIModel(BaseModel):
     # Extra fields are kept, not dropped: vLLM-style sampling extras (top_k, min_p, ignore_eos, ...) arrive
     # that way and are matched against SamplingParams' fields; anything else is refused (see sampling_params()).
@@ -105,28 +111,28 @@ def lone_surrogate_at(data: Any) -> tuple[str, str | None] | None:
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    n: StrictInt | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extension: also answer the token ids, the prompt's and the generated ones (streamed: each chunk's
     # new ids, so a client can count tokens even where their text is empty, as with a model without tokenizer)
-    return_token_ids: bool = False
+    return_token_ids: StrictBool = False
     # vLLM's extra body field: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -137,15 +143,15 @@ class SamplingRequest(RequestBody):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
 
 class ChatMessage(OpenAIModel):
-    role: str
+    role: Role
     content: str | list[dict[str, Any]] | None = None
     # an assistant's calls ({"id", "type": "function", "function": {"name", "arguments"}}), a tool's answer
     tool_calls: list[dict[str, Any]] | None = None
@@ -155,17 +161,17 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     # accepted and ignored: they do not change what is generated
     metadata: dict[str, Any] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
 
 
@@ -173,14 +179,14 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 # -- request -> SamplingParams ----------------------------------------------------------------------------------
@@ -291,8 +297,11 @@ def param_named_in(message: str, names) -> str | None:
 def _logprobs_into(body: SamplingRequest, values: dict, supported: set[str]) -> None:
     """OpenAI's logprobs (an int for completions; a bool plus top_logprobs for chat) as SamplingParams.logprobs."""
     if isinstance(body, ChatCompletionRequest):
-        wanted = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs is not None and not body.logprobs:
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:  # named as sent, not as SamplingParams calls it
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}.", param="top_logprobs")
+        wanted = (top or 0) if body.logprobs else None
+        if top is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
     else:
         wanted = body.logprobs

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 
 from nanovllm.engine_args import add_engine_args, engine_kwargs
 from nanovllm.server.defaults import (  # noqa: F401 (API_KEY_ENV is part of this module's interface)
@@ -33,9 +34,22 @@ EXIT_ENGINE_DIED = 1
 
 
 
+class _OneModel(argparse.Action):
+    """MODEL as the positional or as --model (as vLLM takes it): either, or both when they agree."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        if current is not None and current != values:
+            parser.error(f"two models given, {current!r} and {values!r}: give one, as MODEL or as --model")
+        setattr(namespace, self.dest, values)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    model_help = "a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    # SUPPRESS: an absent positional leaves what --model set
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, action=_OneModel, help=model_help)
+    parser.add_argument("--model", dest="model", default=None, action=_OneModel, metavar="MODEL",
+                        help="the same as the positional MODEL")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -72,8 +86,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to a CLI's subparsers; its handler is ``run_server(args)``."""
+    from nanovllm.engine_args import DefaultsHelpFormatter
+
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                                   description="Serve a model over an OpenAI-compatible HTTP API.")
+                                   description="Serve a model over an OpenAI-compatible HTTP API.",
+                                   formatter_class=DefaultsHelpFormatter)
     add_serve_arguments(parser)
     parser.set_defaults(func=run_server)
     return parser
@@ -109,9 +126,17 @@ def run_server(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
 
+    from nanovllm.config import EngineConfig
+    from nanovllm.engine.summary import loading_line
+
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger(__name__)
+    with warnings.catch_warnings():  # the engine validates the same arguments again, and warns then
+        warnings.simplefilter("ignore")
+        log.info("%s", loading_line(EngineConfig(**engine_kwargs(args))))
     app = build_app_from_args(args)
-    logging.getLogger(__name__).info("serving %s on http://%s:%d", app.state.server.model_names, args.host,
+    log.info("%s", app.state.server.llm.kv_cache_summary)
+    log.info("serving %s on http://%s:%d", app.state.server.model_names, args.host,
                                      args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown)
@@ -146,8 +171,10 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nanovllm.engine_args import DefaultsHelpFormatter
+
     parser = argparse.ArgumentParser(prog="nanovllm serve", description="Serve a model over an OpenAI-compatible "
-                                     "HTTP API.")
+                                     "HTTP API.", formatter_class=DefaultsHelpFormatter)
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -45,3 +45,15 @@ def test_subcommand():
     add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "m", "--port", "9000"])
     assert args.func is run_server and args.model == "m" and args.port == 9000
+
+
+def test_the_start_says_what_it_loads_and_the_kv_pool_the_engine_process_got(chat_model):
+    from tests.server.conftest import ENGINE_FLAGS, ServerProcess
+
+    server = ServerProcess(chat_model, *ENGINE_FLAGS, "--log-level", "info")
+    try:
+        output = server.output()
+    finally:
+        assert server.stop() == 0
+    assert f"Loading {chat_model} on cpu" in output, output
+    assert "KV cache: " in output and "4,096 tokens (256 blocks of 16)" in output, output

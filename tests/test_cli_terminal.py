@@ -1,0 +1,91 @@
+"""The `nanovllm` command at a terminal (a pseudo-terminal): chat's commands, Ctrl-C and Ctrl-D; Ctrl-C elsewhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TERM="dumb")
+# a long reply, so there is time to interrupt it; a small pool, so the model loads quickly
+LONG = ["--max-tokens", "4000", "--ignore-eos", "--max-model-len", "4096", "--max-num-seqs", "2"]
+PROMPT = "\r\n> "
+
+
+def spawn(*args: str) -> pexpect.spawn:
+    child = pexpect.spawn(sys.executable, ["-m", "nanovllm.cli", *args], env=ENV, cwd=ROOT, encoding="utf-8",
+                          timeout=180, dimensions=(24, 200))
+    return child
+
+
+def test_chat_at_a_terminal_help_interrupt_and_end_of_input():
+    child = spawn("chat", *LONG)
+    try:
+        child.expect("Loading the embedded SmolLM2-135M-Instruct")
+        child.expect(r"KV cache: .* tokens")
+        child.expect(PROMPT)
+        child.sendline("/help")
+        child.expect("/reset")
+        child.expect(PROMPT)
+        assert "unknown command" not in child.before
+        child.sendline("/nonsense")
+        child.expect("unknown command '/nonsense'")
+        child.expect(PROMPT)
+
+        for message in ("Tell me a long story about a dragon.", "Now one about a cat."):
+            child.sendline(message)
+            child.expect_exact(message + "\r\n")  # the terminal's echo
+            child.expect(r"\w+ \w+ \w+")  # the reply streams...
+            child.sendintr()  # ...and Ctrl-C stops it, back at the prompt, the engine ready for the next one
+            child.expect(r"\(interrupted\)")
+            child.expect(PROMPT)
+
+        child.send("half a line")
+        child.sendintr()  # Ctrl-C at the prompt drops the line, as a shell does
+        child.expect(PROMPT)
+        child.sendeof()  # Ctrl-D quits
+        child.expect(pexpect.EOF)
+        transcript = child.before
+    finally:
+        child.close()
+    assert child.exitstatus == 0, transcript
+    assert "Traceback" not in transcript
+
+
+def test_generate_without_prompts_at_a_terminal_says_it_reads_stdin():
+    child = spawn("generate", "--quiet")
+    try:
+        child.expect("Reading prompts from stdin, one per line; end with Ctrl-D.")
+        child.sendeof()  # nothing: no prompts, and nothing loaded
+        child.expect("no prompts")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 2
+
+
+def test_generate_under_sigint_exits_130_without_a_traceback():
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.cli", "generate", *LONG, "Tell me a long story."],
+                            env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 180
+        while "KV cache:" not in seen:  # loaded: it is generating now
+            line = proc.stderr.readline()
+            assert line and time.monotonic() < deadline, f"no KV cache line; stderr: {seen}"
+            seen += line
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "interrupted" in err
