@@ -41,6 +41,7 @@ from nanovllm.engine.async_engine import (
 )
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.server import openapi
 from nanovllm.server.chat_output import ChatChoiceOutput
 from nanovllm.server.defaults import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from nanovllm.server.metrics import ServerMetrics
@@ -109,13 +110,21 @@ def build_app(llm: EngineClient, *, served_model_names: list[str] | None = None,
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
-    app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
-    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/health", server.health, methods=["GET"], response_class=Response, responses=openapi.HEALTH)
+    app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"], response_class=Response,
+                      responses=openapi.METRICS)
+    app.add_api_route("/v1/models", server.models, methods=["GET"], response_model=None,
+                      responses=openapi.responses(openapi.ModelList, openapi.AUTH))
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"],
+                      responses=openapi.responses(openapi.Completion, openapi.GENERATE, openapi.CompletionChunk))
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"],
+                      responses=openapi.responses(openapi.ChatCompletion, openapi.GENERATE,
+                                                  openapi.ChatCompletionChunk))
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], response_model=None,
+                      responses=openapi.responses(openapi.TokenizeResponse, openapi.BODY))
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"], response_model=None,
+                      responses=openapi.responses(openapi.DetokenizeResponse, openapi.BODY))
+    openapi.publish_schema(app)  # response_model=None: the handlers' `-> dict` is not the documented body
     return app
 
 

@@ -1,5 +1,6 @@
-"""Memory on the CPU: the KV pool has the size in bytes it was given and never grows; resident memory is flat
-across repeated batches; `nanovllm generate` on the embedded model stays under 1.5 GiB plus its pool."""
+"""Memory on the CPU: the KV pool has the size in bytes it was given (by default what the limits can use, within
+2 GiB) and never grows, and becomes resident as its blocks are written; resident memory is flat across repeated
+batches; `nanovllm generate` on the embedded model stays under 1.5 GiB plus its pool."""
 
 import gc
 import os
@@ -75,3 +76,31 @@ def test_generate_on_the_embedded_model_peaks_under_1_5_gib_plus_the_pool():
     assert done.returncode == 0, done.stderr[-2000:]
     peak = int(done.stdout.rsplit("PEAK", 1)[1]) * 1024
     assert peak < 1.5 * 1024 * MiB + pool, f"peak resident memory {peak / MiB:.0f} MiB"
+
+
+def test_default_pool_holds_what_the_limits_can_use(tiny_qwen3):
+    # 3 requests of at most 100 tokens: 3 x ceil(100 / 16) blocks, not the 2 GiB budget
+    llm = LLM(tiny_qwen3, device="cpu", max_num_seqs=3, max_model_len=100, kvcache_block_size=16)
+    assert llm.num_kvcache_blocks == 3 * 7
+    from nanovllm.engine.summary import kv_cache_line
+    line = kv_cache_line(llm)
+    assert f"{21 * 16:,} tokens (21 blocks of 16)" in line and "max_num_seqs 3" in line, line
+    budget_blocks = DEFAULT_CPU_KV_CACHE_BYTES // llm.runner.kv_bytes_per_block
+    llm.close()
+    # limits beyond the budget: the budget decides
+    many = LLM(tiny_qwen3, device="cpu", max_num_seqs=budget_blocks + 1, max_model_len=16, kvcache_block_size=16)
+    assert many.num_kvcache_blocks == budget_blocks
+    many.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_pool_memory_is_taken_as_blocks_are_written(tiny_qwen3):
+    gc.collect()
+    before = resident_bytes()
+    llm = LLM(tiny_qwen3, device="cpu", kv_cache_memory_bytes=512 * MiB, kvcache_block_size=16, max_model_len=256)
+    assert llm.runner.kv_cache.nbytes > 500 * MiB
+    assert resident_bytes() - before < 128 * MiB, "the whole pool became resident at start"
+    out = llm.generate([[3, 4, 5] * 20], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert len(out[0].token_ids) == 8
+    assert resident_bytes() - before < 128 * MiB
+    llm.close()
