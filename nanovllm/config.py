@@ -22,6 +22,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREFIX_CACHING_HASH_ALGOS = ("xxh64", "sha256")  # the keys of engine/block_manager.py's BLOCK_HASHES
 QUANTIZATIONS = (None, "fp8")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# The CPU pool's default also holds at most this many tokens (or one request of max_model_len, if more): 64
+# requests of 256 tokens, about what 2-16 cores keep busy, without a small model's server holding GBs of cache
+DEFAULT_CPU_KV_CACHE_TOKENS = 16384
 
 
 @dataclass
@@ -37,7 +40,8 @@ class EngineConfig:
     # whole blocks: a chat template's system prompt of ~20-30 tokens fills one 16-token block, none of 256)
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None  # explicit pool size; else from memory (below)
-    # pool size in bytes; default on the CPU: max_num_seqs x max_model_len tokens, at most 2 GiB
+    # pool size in bytes; default on the CPU: max_num_seqs x max_model_len tokens, at most
+    # max(max_model_len, DEFAULT_CPU_KV_CACHE_TOKENS) tokens and 2 GiB
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may fill (CUDA only)
     enable_prefix_caching: bool = True

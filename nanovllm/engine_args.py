@@ -16,8 +16,8 @@ HELP = {
     "kvcache_block_size": "tokens per KV-cache block (a power of two; default 256 on CUDA, 16 on the CPU)",
     "num_kvcache_blocks": "KV-cache pool size in blocks (default: from memory)",
     "kv_cache_memory_bytes": "KV-cache pool size in bytes (default on the CPU: what max_num_seqs requests of "
-                             "max_model_len tokens can hold, at most 2 GiB; its pages are taken as they are first "
-                             "written)",
+                             "max_model_len tokens can hold, at most 16,384 tokens or one max_model_len, and at "
+                             "most 2 GiB; its pages are taken as they are first written)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "prefix_caching_hash_algo": "hash of the prefix cache's blocks: xxh64 (default) or sha256 (as vLLM's); a hit "

@@ -136,10 +136,12 @@ class ModelRunner:
             num_blocks = config.kv_cache_memory_bytes // self.kv_bytes_per_block
         elif self.device.type != "cuda":
             # what the limits let requests hold at once (max_num_seqs of max_model_len tokens each), within the
-            # default budget: a server with small limits does not reserve the whole budget
-            from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+            # default budget of tokens (at least one full-length request) and of bytes
+            from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CPU_KV_CACHE_TOKENS
             blocks_per_seq = -(-self.max_model_len // self.block_size)
-            num_blocks = min(config.max_num_seqs * blocks_per_seq, DEFAULT_CPU_KV_CACHE_BYTES // self.kv_bytes_per_block)
+            token_budget = -(-max(self.max_model_len, DEFAULT_CPU_KV_CACHE_TOKENS) // self.block_size)
+            num_blocks = min(config.max_num_seqs * blocks_per_seq, token_budget,
+                             DEFAULT_CPU_KV_CACHE_BYTES // self.kv_bytes_per_block)
         else:
             num_blocks = self._profile_free_blocks()
         if num_blocks < 1:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CPU_KV_CACHE_TOKENS, EngineConfig
 
 MiB = 1 << 20
 
@@ -85,11 +85,10 @@ def test_default_pool_holds_what_the_limits_can_use(tiny_qwen3):
     from nanovllm.engine.summary import kv_cache_line
     line = kv_cache_line(llm)
     assert f"{21 * 16:,} tokens (21 blocks of 16)" in line and "max_num_seqs 3" in line, line
-    budget_blocks = DEFAULT_CPU_KV_CACHE_BYTES // llm.runner.kv_bytes_per_block
     llm.close()
-    # limits beyond the budget: the budget decides
-    many = LLM(tiny_qwen3, device="cpu", max_num_seqs=budget_blocks + 1, max_model_len=16, kvcache_block_size=16)
-    assert many.num_kvcache_blocks == budget_blocks
+    # limits beyond the budget: it holds DEFAULT_CPU_KV_CACHE_TOKENS, or one request of max_model_len if longer
+    many = LLM(tiny_qwen3, device="cpu", max_num_seqs=256, max_model_len=256, kvcache_block_size=16)
+    assert many.num_kvcache_blocks == DEFAULT_CPU_KV_CACHE_TOKENS // 16
     many.close()
 
 
