@@ -181,7 +181,7 @@ MATRIX = [
     case("negative", C, {"prompt": "Hi", "presence_penalty": -3}, 400, "presence_penalty"),
     case("negative", C, {"prompt": "Hi", "min_tokens": -1}, 400, "min_tokens"),
     case("negative", C, {"prompt": [-1]}, 400, "prompt"),
-    case("negative", CH, {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, 400, "logprobs"),
+    case("negative", CH, {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     case("negative", DETOK, {"tokens": [-1]}, 400, "tokens"),
     # huge numbers
     case("huge", C, {"prompt": "Hi", "max_tokens": 10**30}, 400, "max_tokens", (str(MAX_MODEL_LEN),)),
