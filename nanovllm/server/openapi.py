@@ -9,18 +9,23 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
+
+
+class Published(BaseModel):
+    # additionalProperties: false, so a field the handlers write but the schema lacks fails schema-driven checks
+    model_config = ConfigDict(extra="forbid")
 
 
 # -- errors -----------------------------------------------------------------------------------------------------
-class ErrorDetail(BaseModel):
+class ErrorDetail(Published):
     message: str
     type: str
     param: str | None
     code: str | int | None
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(Published):
     error: ErrorDetail
 
 
@@ -35,25 +40,25 @@ ERROR_DESCRIPTIONS = {
 
 
 # -- shared parts ------------------------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
+class PromptTokensDetails(Published):
     cached_tokens: int
 
 
-class Usage(BaseModel):
+class Usage(Published):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(Published):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
-class PromptLogprob(BaseModel):
+class PromptLogprob(Published):
     logprob: float
     rank: int | None
     decoded_token: str
@@ -64,7 +69,7 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------------------
-class CompletionChoice(BaseModel):
+class CompletionChoice(Published):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
@@ -75,7 +80,7 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None  # return_token_ids
 
 
-class Completion(BaseModel):
+class Completion(Published):
     id: str
     object: Literal["text_completion"]
     created: int
@@ -84,7 +89,7 @@ class Completion(BaseModel):
     usage: Usage
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(Published):
     """One ``data:`` event of a streamed completion; the stream ends with ``data: [DONE]``."""
 
     id: str
@@ -96,7 +101,7 @@ class CompletionChunk(BaseModel):
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------------------------
-class TopLogprob(BaseModel):
+class TopLogprob(Published):
     token: str
     logprob: float
     bytes: list[int]
@@ -106,16 +111,29 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(Published):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(BaseModel):
+class FunctionCall(Published):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(Published):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(Published):
     role: Literal["assistant"]
-    content: str | None
+    content: str | None  # None when the reply is only tool calls
+    reasoning_content: str | None = None  # with --reasoning-parser: the text inside the model's <think>
+    tool_calls: list[ToolCall] | None = None  # with tools: the calls the reply makes
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(Published):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
@@ -124,7 +142,7 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(Published):
     id: str
     object: Literal["chat.completion"]
     created: int
@@ -135,12 +153,28 @@ class ChatCompletion(BaseModel):
     prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatDelta(BaseModel):
+class FunctionCallDelta(Published):
+    name: str | None = None
+    arguments: str | None = None  # the call's arguments as they stream: the deltas add up to its JSON text
+
+
+class ToolCallDelta(Published):
+    """A tool call as it streams: the first delta of a call has its id, type and name, later ones more arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatDelta(Published):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(Published):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
@@ -149,7 +183,7 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(Published):
     """One ``data:`` event of a streamed chat completion; the stream ends with ``data: [DONE]``."""
 
     id: str
@@ -162,7 +196,7 @@ class ChatCompletionChunk(BaseModel):
 
 
 # -- the small endpoints -----------------------------------------------------------------------------------------
-class ModelCard(BaseModel):
+class ModelCard(Published):
     id: str
     object: Literal["model"]
     created: int
@@ -172,18 +206,18 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ModelList(Published):
     object: Literal["list"]
     data: list[ModelCard]
 
 
-class TokenizeResponse(BaseModel):
+class TokenizeResponse(Published):
     count: int
     max_model_len: int
     tokens: list[int]
 
 
-class DetokenizeResponse(BaseModel):
+class DetokenizeResponse(Published):
     prompt: str
 
 

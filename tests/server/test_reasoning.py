@@ -72,3 +72,15 @@ def test_enable_thinking_false_reaches_the_template(client):
     extra = {"structured_outputs": {"regex": "[a-z]{2,5}"}, "chat_template_kwargs": {"enable_thinking": False}}
     message = ask(client, seed=0, extra_body=extra).choices[0].message
     assert message.content.isalpha() and message.model_extra.get("reasoning_content") is None
+
+
+def test_reasoning_answers_match_the_published_schema(client):
+    from tests.server.published import PublishedSchema
+
+    schema = PublishedSchema(str(client.base_url).removesuffix("/v1/").removesuffix("/v1"))
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 40, "temperature": 1.0, "seed": 0,
+            "structured_outputs": {"regex": PATTERN}}
+    answer = schema.post("/v1/chat/completions", "ChatCompletion", body)
+    assert answer["choices"][0]["message"]["reasoning_content"]
+    events = schema.stream("/v1/chat/completions", "ChatCompletionChunk", body)
+    assert any(c["delta"].get("reasoning_content") for e in events for c in e["choices"])

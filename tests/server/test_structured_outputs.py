@@ -242,3 +242,26 @@ def test_an_agent_sdk_tool_loop(server):
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert len(calls) == 1 and isinstance(calls[0], str)  # one call; then tool_choice resets to auto: an answer
     assert isinstance(result.final_output, str) and result.final_output
+
+
+def test_answers_with_tool_calls_and_logprobs_match_the_published_schema(server):
+    from tests.server.published import PublishedSchema
+
+    schema = PublishedSchema(server.url)
+    ask = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+           "tools": [WEATHER, TIME], "max_tokens": 60, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+           "return_token_ids": True}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        body = {**ask, "tool_choice": tool_choice}
+        answer = schema.post("/v1/chat/completions", "ChatCompletion", body)
+        assert answer["choices"][0]["message"]["tool_calls"] and answer["choices"][0]["logprobs"]["content"]
+        events = schema.stream("/v1/chat/completions", "ChatCompletionChunk",
+                               {**body, "stream_options": {"include_usage": True}})
+        assert any(c["delta"].get("tool_calls") for e in events for c in e["choices"])
+        assert events[-1]["usage"]["completion_tokens"] > 0
+    completion = {"model": "SmolLM2-135M-Instruct", "prompt": ["Hello", "Paris is"], "max_tokens": 4, "n": 2,
+                  "logprobs": 2, "echo": True, "prompt_logprobs": 1, "return_token_ids": True, "temperature": 1.0}
+    answer = schema.post("/v1/completions", "Completion", completion)
+    assert answer["choices"][0]["logprobs"]["top_logprobs"] and answer["choices"][0]["prompt_logprobs"]
+    events = schema.stream("/v1/completions", "CompletionChunk", {**completion, "stream_options": {"include_usage": True}})
+    assert events[-1]["usage"]["total_tokens"] > 0
