@@ -136,8 +136,7 @@ def run_server(args: argparse.Namespace) -> int:
         log.info("%s", loading_line(EngineConfig(**engine_kwargs(args))))
     app = build_app_from_args(args)
     log.info("%s", app.state.server.llm.kv_cache_summary)
-    log.info("serving %s on http://%s:%d", app.state.server.model_names, args.host,
-                                     args.port)
+    log.info("serving %s on http://%s:%d", app.state.server.model_names, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     server = uvicorn.Server(config)
