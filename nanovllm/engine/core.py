@@ -198,14 +198,16 @@ class _Outbox:
 
 
 def merge_steps(batch: list[tuple | None]) -> list[tuple | None]:
-    """Consecutive ("step", deltas, stats) messages as one; others (and their order) kept."""
+    """Consecutive ("step", deltas, stats) messages as one; others (and their order) kept. The first step's list of
+    deltas takes the later ones' (the messages are the caller's own)."""
     merged: list[tuple | None] = []
     for message in batch:
-        if message is not None and message[0] == "step" and merged and merged[-1] is not None \
-                and merged[-1][0] == "step":
-            _, deltas, stats = merged[-1]
+        last = merged[-1] if merged else None
+        if message is not None and message[0] == "step" and last is not None and last[0] == "step":
+            _, deltas, stats = last
+            deltas.extend(message[1])
             new_stats = message[2]
-            merged[-1] = ("step", deltas + message[1], new_stats[:3] + tuple(
+            merged[-1] = ("step", deltas, new_stats[:3] + tuple(
                 a + b for a, b in zip(stats[3:], new_stats[3:], strict=True)))
         else:
             merged.append(message)

@@ -188,9 +188,7 @@ class LLMEngine:
 
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile the constraint now (cached for the request that follows); ValueError naming the problem if it
-        cannot be used. Callable from any thread."""
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs needs a tokenizer, and this model has none.")
+        cannot be used (a model without tokenizer too). Callable from any thread."""
         self.grammars.compile(params)
 
     def _admit_compiled(self) -> None:
