@@ -5,9 +5,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+# a compiled kernel reads only constexpr globals (the interpreter reads any, so only the GPU would fail)
+FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 # adding and subtracting 1.5 * 2**23 rounds a float32 of magnitude < 2**22 to the nearest integer (ties to even)
-_ROUNDING_MAGIC = 12582912.0
+_ROUNDING_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -1,0 +1,167 @@
+"""Where a decode step's time goes at a given batch size: the engine's whole step against its device work.
+
+For each batch size B: B random prompts of --context tokens decode together (greedy or sampled, EOS ignored),
+and the script reports
+- engine ms/step: wall time of the engine's decode-only steps (host planning + device, as a user sees them);
+- graph ms: the decode graph of that batch replayed alone, back to back (device time of the forward);
+- head ms: LM head + sampler on B rows, alone (device time);
+- kernels: the kernels one graph replay launches, and the costliest by device time (torch.profiler).
+engine - (graph + head) is the host's share that the device waits for. JSON to --out.
+
+    python benchmarks/decode_step.py --batch-sizes 1 8 64 256 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.attention.metadata import AttentionMetadata, forward_context  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_MODEL = os.path.join(HERE, "model_configs", "qwen3-0.6b")
+
+
+def engine_ms_per_decode_step(llm: LLM, batch: int, context: int, steps: int, temperature: float) -> float:
+    """Median wall time of the engine's decode-only steps while `batch` requests decode together."""
+    random.seed(batch)
+    top = min(10000, llm.hf_config.vocab_size - 1)
+    prompts = [[random.randint(0, top) for _ in range(context)] for _ in range(batch)]
+    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=steps)
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    times = []
+    while llm.has_unfinished_requests():
+        start = time.perf_counter()
+        llm.step()
+        elapsed = time.perf_counter() - start
+        last = llm.last_step
+        if not last.prefill_tokens and last.decode_tokens == batch:
+            times.append(elapsed)
+    times.sort()
+    return 1e3 * times[len(times) // 2] if times else float("nan")
+
+
+def time_on_device(fn, repeats: int) -> float:
+    """ms per call of fn, back to back on the stream, by CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def kernel_table(fn, top: int) -> tuple[int, list[dict]]:
+    """(kernels launched by one call of fn, the costliest kernels by total device time over that call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    count = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            count += 1
+            entry = per_name[event.name]
+            entry[0] += 1
+            entry[1] += event.device_time_total  # us
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return count, [{"kernel": name[:90], "calls": n, "us": round(us, 1)} for name, (n, us) in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens of each request")
+    parser.add_argument("--steps", type=int, default=64, help="tokens each request generates")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--top-kernels", type=int, default=12)
+    parser.add_argument("--out", default="results/decode_step.json")
+    args, engine_args = parser.parse_known_args()
+    extra = {}
+    for flag in engine_args:  # --key=value pairs go to LLM as they are (ints and floats parsed)
+        key, _, value = flag.lstrip("-").partition("=")
+        extra[key.replace("-", "_")] = int(value) if value.isdigit() else value
+
+    llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len,
+              max_num_seqs=max(args.batch_sizes), **extra)
+    runner = getattr(llm.runner, "runner", llm.runner)
+    graphs = runner.graphs
+    results = []
+    for batch in args.batch_sizes:
+        engine_ms = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature)
+        row = dict(batch=batch, context=args.context, engine_ms=round(engine_ms, 3))
+        if graphs is not None and torch.cuda.is_available():
+            size = next(s for s in graphs.sizes if s >= batch)
+            graphs.seq_lens[:batch].fill_(args.context)
+            graphs.slot_mapping[:size].fill_(-1)  # write no KV
+            graph = graphs.graphs[size]
+            hidden = torch.randn(batch, llm.hf_config.hidden_size, device="cuda", dtype=runner.model.lm_head.weight.dtype)
+            temperatures = torch.full((batch,), args.temperature, device="cuda")
+            from nanovllm.layers.sampler import SamplingTensors
+
+            params = SamplingTensors(temperatures=temperatures, all_greedy=args.temperature == 0,
+                                     row_seeds=torch.arange(batch, device="cuda"))
+            generator = torch.Generator(device="cuda")
+
+            def head():
+                runner.sampler(runner.model.compute_logits(hidden), params, generator)
+
+            row["graph_ms"] = round(time_on_device(graph.replay, args.repeats), 3)
+            row["head_ms"] = round(time_on_device(head, args.repeats), 3)
+            row["host_exposed_ms"] = round(engine_ms - row["graph_ms"] - row["head_ms"], 3)
+            row["graph_kernels"], row["graph_top"] = kernel_table(graph.replay, args.top_kernels)
+            row["head_kernels"], row["head_top"] = kernel_table(head, args.top_kernels)
+            # the forward without the graph, eager, to see launch overhead
+            meta = AttentionMetadata(
+                slot_mapping=graphs.slot_mapping[:batch], cu_seqlens_q=graphs.cu_seqlens_q[:batch + 1],
+                seq_lens=graphs.seq_lens[:batch], block_tables=graphs.block_tables[:batch], num_decodes=batch,
+                num_decode_tokens=batch, max_query_len=1, max_seq_len=args.max_model_len,
+                query_lens_host=[1] * batch, seq_lens_host=[args.context] * batch)
+
+            def eager():
+                with torch.inference_mode(), forward_context(meta):
+                    runner.model(graphs.input_ids[:batch], graphs.positions[:batch])
+
+            row["eager_ms"] = round(time_on_device(eager, 10), 3)
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_top")}), flush=True)
+
+    print(f"\n{'batch':>6}{'engine ms':>11}{'graph ms':>10}{'head ms':>9}{'host ms':>9}{'eager ms':>10}{'kernels':>9}")
+    for r in results:
+        print(f"{r['batch']:>6}{r['engine_ms']:>11.3f}{r.get('graph_ms', float('nan')):>10.3f}"
+              f"{r.get('head_ms', float('nan')):>9.3f}{r.get('host_exposed_ms', float('nan')):>9.3f}"
+              f"{r.get('eager_ms', float('nan')):>10.3f}{r.get('graph_kernels', 0):>9}")
+    for r in results:
+        for part in ("graph_top", "head_top"):
+            if part in r:
+                print(f"\nbatch {r['batch']}, {part[:-4]}: " + "".join(
+                    f"\n  {k['us']:>9.1f} us {k['calls']:>4} x  {k['kernel']}" for k in r[part]))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
