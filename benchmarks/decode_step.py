@@ -86,6 +86,45 @@ def kernel_table(fn, top: int) -> tuple[int, list[dict]]:
     return count, [{"kernel": name[:90], "calls": n, "us": round(us, 1)} for name, (n, us) in rows]
 
 
+def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, args) -> dict:
+    """The decode graph of `batch` rows, the LM head + sampler, and the eager forward, each alone on the device."""
+    from nanovllm.layers.sampler import SamplingTensors
+
+    graphs = runner.graphs
+    parts = {}
+    size = next(s for s in graphs.sizes if s >= batch)
+    graphs.seq_lens[:batch].fill_(args.context)
+    graphs.slot_mapping[:size].fill_(-1)  # write no KV
+    graph = graphs.graphs[size]
+    hidden = torch.randn(batch, llm.hf_config.hidden_size, device="cuda", dtype=runner.model.lm_head.weight.dtype)
+    temperatures = torch.full((batch,), args.temperature, device="cuda")
+    params = SamplingTensors(temperatures=temperatures, all_greedy=args.temperature == 0,
+                             row_seeds=torch.arange(batch, device="cuda"))
+    generator = torch.Generator(device="cuda")
+
+    def head():
+        runner.sampler(runner.model.compute_logits(hidden), params, generator)
+
+    parts["graph_ms"] = round(time_on_device(graph.replay, args.repeats), 3)
+    parts["head_ms"] = round(time_on_device(head, args.repeats), 3)
+    parts["host_exposed_ms"] = round(engine_ms - parts["graph_ms"] - parts["head_ms"], 3)
+    parts["graph_kernels"], parts["graph_top"] = kernel_table(graph.replay, args.top_kernels)
+    parts["head_kernels"], parts["head_top"] = kernel_table(head, args.top_kernels)
+    # the forward without the graph, eager, to see launch overhead
+    meta = AttentionMetadata(
+        slot_mapping=graphs.slot_mapping[:batch], cu_seqlens_q=graphs.cu_seqlens_q[:batch + 1],
+        seq_lens=graphs.seq_lens[:batch], block_tables=graphs.block_tables[:batch], num_decodes=batch,
+        num_decode_tokens=batch, max_query_len=1, max_seq_len=args.max_model_len,
+        query_lens_host=[1] * batch, seq_lens_host=[args.context] * batch)
+
+    def eager():
+        with torch.inference_mode(), forward_context(meta):
+            runner.model(graphs.input_ids[:batch], graphs.positions[:batch])
+
+    parts["eager_ms"] = round(time_on_device(eager, 10), 3)
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -112,38 +151,7 @@ def main() -> None:
         engine_ms = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature)
         row = dict(batch=batch, context=args.context, engine_ms=round(engine_ms, 3))
         if graphs is not None and torch.cuda.is_available():
-            size = next(s for s in graphs.sizes if s >= batch)
-            graphs.seq_lens[:batch].fill_(args.context)
-            graphs.slot_mapping[:size].fill_(-1)  # write no KV
-            graph = graphs.graphs[size]
-            hidden = torch.randn(batch, llm.hf_config.hidden_size, device="cuda", dtype=runner.model.lm_head.weight.dtype)
-            temperatures = torch.full((batch,), args.temperature, device="cuda")
-            from nanovllm.layers.sampler import SamplingTensors
-
-            params = SamplingTensors(temperatures=temperatures, all_greedy=args.temperature == 0,
-                                     row_seeds=torch.arange(batch, device="cuda"))
-            generator = torch.Generator(device="cuda")
-
-            def head():
-                runner.sampler(runner.model.compute_logits(hidden), params, generator)
-
-            row["graph_ms"] = round(time_on_device(graph.replay, args.repeats), 3)
-            row["head_ms"] = round(time_on_device(head, args.repeats), 3)
-            row["host_exposed_ms"] = round(engine_ms - row["graph_ms"] - row["head_ms"], 3)
-            row["graph_kernels"], row["graph_top"] = kernel_table(graph.replay, args.top_kernels)
-            row["head_kernels"], row["head_top"] = kernel_table(head, args.top_kernels)
-            # the forward without the graph, eager, to see launch overhead
-            meta = AttentionMetadata(
-                slot_mapping=graphs.slot_mapping[:batch], cu_seqlens_q=graphs.cu_seqlens_q[:batch + 1],
-                seq_lens=graphs.seq_lens[:batch], block_tables=graphs.block_tables[:batch], num_decodes=batch,
-                num_decode_tokens=batch, max_query_len=1, max_seq_len=args.max_model_len,
-                query_lens_host=[1] * batch, seq_lens_host=[args.context] * batch)
-
-            def eager():
-                with torch.inference_mode(), forward_context(meta):
-                    runner.model(graphs.input_ids[:batch], graphs.positions[:batch])
-
-            row["eager_ms"] = round(time_on_device(eager, 10), 3)
+            row.update(device_breakdown(llm, runner, batch, engine_ms, args))
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_top")}), flush=True)
 
