@@ -170,10 +170,11 @@ class DecodeConfig:
 
 
 def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """Key tiles of ~16 KiB of K (and as much V): 3 stages take ~96 KiB of shared memory, two programs
-    fit on a Hopper SM (228 KiB) and keep several tiles in flight each."""
+    """Key tiles of ~16 KiB of K (and as much V), four in flight: ~128 KiB of shared memory, one program per
+    Hopper SM (228 KiB) with its loads far enough ahead to cover the paged lookups (the H200 sweep in
+    docs/benchmarks.md: a quarter faster than three stages for one long request, the same at 256 requests)."""
     row_bytes = head_dim * dtype.itemsize
-    return DecodeConfig(block_n=min(64, max(16, 16384 // row_bytes)), num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=min(64, max(16, 16384 // row_bytes)), num_warps=4, num_stages=4)
 
 
 @functools.cache

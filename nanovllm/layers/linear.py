@@ -86,6 +86,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         _copy_checked(param.data.narrow(0, offset, size), self._shard(loaded, 0), param)
 
+    def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """act(self(x)) for a [gate | up] pair and SwiGLU's act: one kernel where the linear method has one."""
+        return self.linear_method.apply_silu_and_mul(self, x, self.bias, act)
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul, split by heads; KV heads are replicated when ranks outnumber them."""

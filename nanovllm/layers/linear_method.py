@@ -11,15 +11,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels import skinny_gemm
+
 
 class LinearMethod:
-    """y = x W^T (+ b) for a layer: the default reads the layer's float weight."""
+    """y = x W^T (+ b) for a layer: the default reads the layer's float weight, on CUDA through the few-row
+    kernel (kernels/skinny_gemm.py) for decode-sized batches where it beats the library's GEMM."""
 
     # the method keeps its own copy of the weight: the layer's float parameter may be released after loading
     owns_weight = False
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if skinny_gemm.takes(x, layer.weight):
+            return skinny_gemm.skinny_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def apply_silu_and_mul(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                           act: torch.nn.Module) -> torch.Tensor:
+        """act(x W^T + b) for SwiGLU's packed [gate | up] projection, act being its silu(gate) * up; the default
+        method does both in one kernel where the few-row kernel takes the product."""
+        if not self.owns_weight and skinny_gemm.takes(x, layer.weight, gated=True):
+            return skinny_gemm.skinny_linear(x, layer.weight, bias, gated=True)
+        return act(self.apply(layer, x, bias))
 
 
 UNQUANTIZED = LinearMethod()  # holds nothing: every layer may share it

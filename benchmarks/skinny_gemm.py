@@ -1,0 +1,118 @@
+"""The few-row GEMM (kernels/skinny_gemm.py) against the library's (F.linear) at decode shapes, on one GPU.
+
+Each measurement is a CUDA graph of one product per layer over --layers distinct weights (as a decode step
+reads them: none is in L2 when its turn comes), replayed; the figure is microseconds per product and the
+weight bytes read per second. --sweep tries tile configurations besides the default and reports the best.
+
+    python benchmarks/skinny_gemm.py --rows 1 8 16 --out results/skinny_gemm.json
+    python benchmarks/skinny_gemm.py --sweep --out results/skinny_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nanovllm.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear  # noqa: E402
+
+# (name, N, K, gated) of one layer: Qwen3-0.6B and Qwen3-8B (TP=1)
+SHAPES = [("0.6b qkv", 4096, 1024, False), ("0.6b o", 1024, 2048, False), ("0.6b gate_up", 3072, 1024, True),
+          ("0.6b down", 1024, 3072, False), ("8b qkv", 6144, 4096, False), ("8b o", 4096, 4096, False),
+          ("8b gate_up", 12288, 4096, True), ("8b down", 4096, 12288, False)]
+
+
+def graph_us(fn_per_layer, layers: int, replays: int = 20) -> float:
+    """Microseconds per product: a graph of `layers` products (one per weight), replayed."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(layers):
+            fn_per_layer(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            fn_per_layer(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / (replays * layers)
+
+
+def library(x, weight, gated):
+    y = F.linear(x, weight)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--shapes", nargs="+", default=None, help="names from SHAPES (default: all)")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", default="results/skinny_gemm.json")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    results = []
+    for name, n, k, gated in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
+        rows_total = 2 * n if gated else n
+        layers = max(2, min(args.layers, int(6e9 // (rows_total * k * 2))))
+        weights = [torch.randn(rows_total, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
+        nbytes = rows_total * k * 2
+        for m in args.rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            expect = library(x, weights[0], gated)
+            configs = [default_config(n, k, device)]
+            if args.sweep:
+                base = configs[0].split_k
+                for block_n, block_k, split, stages, warps in itertools.product(
+                        (32, 64, 128), (128, 256), sorted({max(1, base // 2), base, base * 2}), (3,), (4,)):
+                    configs.append(SkinnyConfig(block_n, block_k, split, warps, stages))
+            lib_us = graph_us(lambda i, x=x, w=weights, g=gated: library(x, w[i], g), layers)
+            best = None
+            for config in configs:
+                try:
+                    got = skinny_linear(x, weights[0], gated=gated, config=config)
+                    torch.testing.assert_close(got, expect, rtol=3e-2, atol=3e-2)
+                    us = graph_us(lambda i, x=x, w=weights, g=gated, c=config: skinny_linear(x, w[i], gated=g, config=c), layers)
+                except Exception as error:  # a config that does not compile or fit: say so, go on
+                    print(f"  {name} m={m} {config}: {type(error).__name__}: {str(error)[:100]}")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, config)
+                if config is configs[0]:
+                    default_us = us
+            row = dict(shape=name, n=n, k=k, gated=gated, rows=m, library_us=round(lib_us, 2),
+                       skinny_us=round(default_us, 2), library_tbps=round(nbytes / lib_us / 1e6, 2),
+                       skinny_tbps=round(nbytes / default_us / 1e6, 2), best_us=round(best[0], 2),
+                       best_config=best[1].__dict__)
+            results.append(row)
+            print(f"{name:<13} m={m:<3} library {lib_us:7.2f} us ({row['library_tbps']:.2f} TB/s)  skinny "
+                  f"{default_us:7.2f} us ({row['skinny_tbps']:.2f} TB/s)  best {best[0]:7.2f} us {best[1]}",
+                  flush=True)
+        weights.clear()
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

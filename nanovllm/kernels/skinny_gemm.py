@@ -1,0 +1,191 @@
+"""y = x W^T for a few rows of x (decode steps of up to 16 requests), optionally with SiLU-and-mul fused in.
+
+With a handful of rows a linear layer only streams its weight, and the whole matrix is a few megabytes: the
+time goes to how many SMs read at once, not to arithmetic. Programs tile the output columns (BLOCK_N) and split
+the reduction dimension (SPLIT_K) so that about one program runs on every SM; each reads its [BLOCK_N, K / SPLIT_K]
+slice of W once. The split partial sums meet in one kernel (no second launch): every split writes its float32
+partial, takes a ticket from its column block's counter, and the last to arrive sums the partials in split order
+(so the result does not depend on which finished first), applies the epilogue and stores, and resets the counter
+for the next call. The counters live as long as the process (zeros, reset by each call), so CUDA graphs replay
+the kernel as they captured it.
+
+Gated (SwiGLU's gate_up projection packed as [gate | up] rows of W): each program reads the gate and the up rows
+of its columns and stores silu(gate) * up, so the activation never makes a round trip through memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # tl.dot's smallest M; more rows go to the library GEMM
+# the interpreter's bfloat16 tl.dot returns garbage: there the tiles are multiplied in float32
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,              # [M, K], unit stride on K
+    w_ptr,              # [N_total, K] contiguous: N rows, or 2N ([gate | up]) when GATED
+    bias_ptr,           # [N_total] or unused
+    out_ptr,            # [M, N], unit stride on N
+    partial_ptr,        # [SPLIT_K, M, N_out_cols(x2 when GATED)] float32, when SPLIT_K > 1
+    counter_ptr,        # [column blocks] int32 zeros, when SPLIT_K > 1
+    M, N, K,
+    stride_xm, stride_om,
+    k_per_split,        # a multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K  # W^T's columns: a [BLOCK_K, BLOCK_N] tile loads W's rows
+    for k in range(k_start, k_end, BLOCK_K):
+        k_mask = (k + ks) < k_end
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k + ks)[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        tile_mask = k_mask[:, None] & col_mask[None, :]
+        w = tl.load(w_cols + (k + ks)[:, None], mask=tile_mask, other=0.0)
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(x, w)
+        if GATED:
+            w_up = tl.load(w_cols + N * K + (k + ks)[:, None], mask=tile_mask, other=0.0)
+            acc_up += tl.dot(x, w_up.to(tl.float32) if UPCAST else w_up)
+
+    if SPLIT_K > 1:
+        width = 2 * N if GATED else N
+        here = partial_ptr + split * M * width + rows[:, None] * width + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(here, acc, mask=mask)
+        if GATED:
+            tl.store(here + N, acc_up, mask=mask)
+        # acq_rel: the partial stored above is visible to the last program, which sees every other one's
+        ticket = tl.atomic_add(counter_ptr + pid_n, 1)
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLIT_K):
+                there = partial_ptr + s * M * width + rows[:, None] * width + cols[None, :]
+                acc += tl.load(there, mask=mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(there + N, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, acc_up, bias_ptr, out_ptr, stride_om, rows, cols, row_mask, col_mask, N,
+                      HAS_BIAS, GATED)
+            tl.store(counter_ptr + pid_n, 0)
+    else:
+        _epilogue(acc, acc_up, bias_ptr, out_ptr, stride_om, rows, cols, row_mask, col_mask, N, HAS_BIAS, GATED)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, bias_ptr, out_ptr, stride_om, rows, cols, row_mask, col_mask, N,
+              HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        # silu and the product in float32, as silu_and_mul computes them from the rounded projection
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: plan as on an H100/H200
+
+
+def default_config(n: int, k: int, device: torch.device, gated: bool = False) -> SkinnyConfig:
+    """Column blocks of 32, and K splits for about two programs per SM (one when gated: each reads two rows of
+    W a column), each split >= one K tile (see docs/benchmarks.md for the sweep these come from)."""
+    block_n, block_k = 32, 256 if gated else 128
+    column_blocks = triton.cdiv(n, block_n)
+    per_sm = 1 if gated else 2
+    split_k = max(1, min(round(per_sm * _num_sms(device) / column_blocks), k // block_k, 16))
+    return SkinnyConfig(block_n, block_k, split_k)
+
+
+# the library GEMM keeps larger weights: from ~8 MiB on it reads at a higher bandwidth than these tiles
+# (Qwen3-8B's projections, H200), while the fused SiLU-and-mul saves a kernel at every size
+MAX_UNGATED_WEIGHT_BYTES = 8 << 20
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether a linear layer should run this product here rather than in the library GEMM."""
+    return x.is_cuda and fits(x, weight) and (gated or weight.numel() * weight.element_size()
+                                              <= MAX_UNGATED_WEIGHT_BYTES)
+
+
+@functools.cache
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """Per column block ticket counters: zeros, and every call leaves them zero."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_linear takes this product (otherwise the library GEMM should)."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
+                  config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M <= 16, K] @ weight[N_total, K]^T (+ bias); gated: weight is [gate | up] (2N rows), returns
+    silu(x gate^T) * (x up^T) as [M, N]."""
+    assert fits(x, weight), f"skinny_linear takes <= {MAX_ROWS} 16-bit rows, got {tuple(x.shape)} {x.dtype}"
+    m, k = x.shape
+    n_total, k_w = weight.shape
+    assert k_w == k, f"weight has {k_w} input features, x has {k}"
+    n = n_total // 2 if gated else n_total
+    assert not gated or n_total % 2 == 0, f"a gated weight has an even number of rows, got {n_total}"
+    config = config or default_config(n, k, x.device, gated)
+    split_k = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    column_blocks = triton.cdiv(n, config.block_n)
+    if split_k > 1:
+        partial = torch.empty((split_k, m, n_total), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, column_blocks)
+    else:
+        partial = counters = out  # unused
+    _skinny_gemm_kernel[(column_blocks, split_k)](
+        x, weight, bias if bias is not None else out, out, partial, counters, m, n, k, x.stride(0), out.stride(0),
+        k_per_split, HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

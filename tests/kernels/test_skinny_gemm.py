@@ -1,0 +1,65 @@
+"""The few-row GEMM (kernels/skinny_gemm.py) against torch, under the Triton interpreter on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nanovllm.kernels.skinny_gemm import SkinnyConfig, _counters, fits, skinny_linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def reference(x, weight, bias=None, gated=False):
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    if not gated:
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate.float()).to(x.dtype) * up
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("gated", [False, True])
+def test_skinny_linear_matches_torch(rows, split_k, gated):
+    torch.manual_seed(rows + 10 * split_k)
+    n, k = 80, 320  # a ragged last column block and a ragged last K tile
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.randn(2 * n if gated else n, k, dtype=torch.bfloat16, device=DEVICE) / k ** 0.5
+    config = SkinnyConfig(block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
+    out = skinny_linear(x, weight, gated=gated, config=config)
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out, reference(x, weight, gated=gated), rtol=2e-2, atol=2e-2)
+    assert int(_counters(out.device, 2).abs().sum()) == 0  # every call leaves its tickets at zero
+
+
+def test_skinny_linear_with_bias_and_a_strided_input():
+    torch.manual_seed(0)
+    x = torch.randn(4, 2 * 128, dtype=torch.float16, device=DEVICE)[:, ::1][:, :128]  # row stride 256
+    weight = torch.randn(48, 128, dtype=torch.float16, device=DEVICE) / 12
+    bias = torch.randn(48, dtype=torch.float16, device=DEVICE)
+    out = skinny_linear(x, weight, bias, config=SkinnyConfig(block_n=32, block_k=32, split_k=2))
+    torch.testing.assert_close(out, reference(x, weight, bias), rtol=2e-2, atol=2e-2)
+
+
+def test_repeated_calls_give_the_same_bits():
+    torch.manual_seed(1)
+    x = torch.randn(3, 256, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.randn(64, 256, dtype=torch.bfloat16, device=DEVICE)
+    config = SkinnyConfig(block_n=32, block_k=32, split_k=4)
+    first = skinny_linear(x, weight, config=config)
+    assert torch.equal(first, skinny_linear(x, weight, config=config))
+
+
+def test_fits_only_few_16_bit_rows():
+    weight = torch.zeros(8, 32, dtype=torch.bfloat16)
+    assert fits(torch.zeros(16, 32, dtype=torch.bfloat16), weight)
+    assert not fits(torch.zeros(17, 32, dtype=torch.bfloat16), weight)
+    assert not fits(torch.zeros(4, 32, dtype=torch.float32), weight.float())
+    with pytest.raises(AssertionError, match="<= 16"):
+        skinny_linear(torch.zeros(17, 32, dtype=torch.bfloat16), weight)
