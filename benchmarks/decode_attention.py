@@ -25,7 +25,7 @@ PEAK_TBPS = 4.25  # H200 HBM3e
 TARGET_FRACTION = 0.75
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # (block_n, num_warps, num_stages) tried by --sweep besides the default
-SWEEP_CONFIGS = [(64, 4, 2), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 3), (64, 8, 3), (32, 2, 2), (64, 4, 1)]
+SWEEP_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 3), (64, 8, 3), (32, 2, 2), (64, 4, 1)]
 SWEEP_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 

@@ -60,7 +60,12 @@ def test_scaled_mm_matches_the_reference_path() -> None:
     layer = _layer(256, 128, True).cuda().to(torch.bfloat16)
     quantize_linear_layers(layer)
     assert layer.linear_method.scaled_mm
+    torch.manual_seed(0)
     x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
     layer.linear_method.scaled_mm = False
-    torch.testing.assert_close(out, layer(x), rtol=2e-2, atol=2e-2)
+    reference = layer(x)
+    # the two paths round the activations to e4m3 in different places: an element may move by a step of e4m3
+    # (1/16 of its size), the whole product by far less on average
+    torch.testing.assert_close(out, reference, rtol=2e-2, atol=5e-2)
+    assert (out.float() - reference.float()).abs().mean() < 5e-3

@@ -1,18 +1,15 @@
-"""The few-row GEMM (kernels/skinny_gemm.py) against torch, under the Triton interpreter on the CPU."""
+"""The few-row GEMM (kernels/skinny_gemm.py) against torch: under the Triton interpreter without a GPU (the
+conftest chooses it), compiled on a GPU."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from nanovllm.kernels.skinny_gemm import SkinnyConfig, _counters, fits, skinny_linear, takes
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from nanovllm.kernels.skinny_gemm import SkinnyConfig, _counters, fits, skinny_linear  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def reference(x, weight, bias=None, gated=False):
@@ -63,3 +60,18 @@ def test_fits_only_few_16_bit_rows():
     assert not fits(torch.zeros(4, 32, dtype=torch.float32), weight.float())
     with pytest.raises(AssertionError, match="<= 16"):
         skinny_linear(torch.zeros(17, 32, dtype=torch.bfloat16), weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize(("n", "k", "gated"), [(4096, 1024, False), (1024, 2048, False), (3072, 1024, True),
+                                               (1024, 3072, False), (12288, 4096, True)])
+def test_skinny_linear_at_decode_shapes_on_the_gpu(rows, n, k, gated):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(2 * n if gated else n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+    for _ in range(2):  # the second call finds the ticket counters the first left
+        out = skinny_linear(x, weight, gated=gated)
+        torch.testing.assert_close(out, reference(x, weight, gated=gated), rtol=2e-2, atol=2e-2)
+    assert takes(x, weight, gated) == (gated or n * k * 2 <= 8 << 20)
