@@ -69,7 +69,7 @@ def main() -> int:
 
     import triton.testing
 
-    from nanovllm.attention.torch_backend import decode_attention_ref
+    from nanovllm.attention.reference import decode_attention_ref
     from nanovllm.kernels.decode_attention import (
         DecodeConfig,
         decode_attention,

@@ -117,6 +117,8 @@ def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, args) -> di
         num_decode_tokens=batch, max_query_len=1, max_seq_len=args.max_model_len,
         query_lens_host=[1] * batch, seq_lens_host=[args.context] * batch)
 
+    runner.backend.prepare(meta, runner.block_size)
+
     def eager():
         with torch.inference_mode(), forward_context(meta):
             runner.model(graphs.input_ids[:batch], graphs.positions[:batch])

@@ -1,276 +1,26 @@
-"""Attention over the paged KV cache in plain torch: runs anywhere, and is the oracle for the Triton kernels."""
+"""The reference functions (attention/reference.py) as a backend: any device, reference speed.
+
+``attention_backend="torch"`` selects it on CUDA (on the CPU that name selects the CPU's own backend,
+platforms/cpu/attention.py); tests use it as the oracle of a whole backend's forward.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
-from nanovllm.attention.kv_fp8 import as_bits, from_bits, to_cache
+from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.kernels import cpu_ops
+from nanovllm.attention.reference import decode_attention_ref, prefill_attention_ref, store_kvcache_ref
 
 
-def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Write each token's K/V into its cache slot; slots < 0 are skipped.
-
-    k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    k_scale, v_scale: an fp8 cache's scales (attention/kv_fp8.py); other caches take 1.0
-    """
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache(k[keep], k_cache.dtype, k_scale)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache(v[keep], v_cache.dtype, v_scale)
-
-
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one request from the paged cache: [seq_len, num_kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kvh, hd]
-    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
-
-
-def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """One query token per request, batched with padding.
-
-    q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs]
-    k_scale, v_scale: the cache holds K / k_scale and V / v_scale (an fp8 cache; else 1.0)
-    returns [num_seqs, num_heads, head_dim] in q's dtype (softmax in float32)
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long().clamp(0, k_cache.shape[0] - 1)  # padding ids: never used
-    keys = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float() * k_scale
-    values = v_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float() * v_scale
-    group = num_heads // num_kv_heads
-    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale  # [B, kvh, group, L]
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding request (seq_len 0) attends to nothing
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
-
-
-def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of each request's query chunk over its cached context plus itself.
-
-    q: [num_tokens, num_heads, head_dim] (requests packed by cu_seqlens_q); the chunk's own K/V must already
-    be in the cache. Query i of a request sits at absolute position context_len + i and sees keys 0..that.
-    k_scale, v_scale: as decode_attention_ref's.
-    """
-    out = torch.empty_like(q)
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    starts = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        start, end = starts[i], starts[i + 1]
-        query_len = end - start
-        context_len = seq_len - query_len
-        keys = gather_kv(k_cache, block_tables[i], seq_len).float() * k_scale
-        values = gather_kv(v_cache, block_tables[i], seq_len).float() * v_scale
-        if num_heads != num_kv_heads:
-            keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        q_pos = torch.arange(context_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [query_len, seq_len]
-        o = F.scaled_dot_product_attention(
-            q[start:end].float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, scale=scale,
-        )
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
-    return out
-
-
-# -- the CPU's fast path ---------------------------------------------------------------------------------------
-# Same results as the references above (up to float rounding), cheaper on a CPU, where attention at batch 64 is
-# mostly memory traffic: the references copy whole blocks per request (`cache[block_table]`, a slow advanced
-# index) and then run small batched matmuls; here each step gathers only the live slots, once per step's plan,
-# with one index_select per layer, and one fused scaled_dot_product_attention (flash kernel) does the rest.
-@dataclass
-class DecodePlan:
-    """Where the K/V of a step's decode requests sit in the cache, computed once per step for every layer."""
-
-    slots: torch.Tensor  # [num_decodes * max_len] int64: cache slot of token j of request i at i * max_len + j
-    valid: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool: j < seq_len; None: every request is max_len
-    max_len: int
-    # the first slot when a lone request's tokens fill consecutive slots (its blocks are consecutive): its K/V
-    # are then a view of the cache, nothing to gather
-    first_slot: int | None = None
-
-
-def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, block_size: int,
-                seq_lens_host: list[int] | None = None) -> DecodePlan:
-    """block_tables: [num_seqs, max_blocks] (ids < 0 are padding); seq_lens: [num_seqs]."""
-    positions = torch.arange(max_len, device=block_tables.device)
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long().clamp_min(0)
-    slots = table[:, positions // block_size] * block_size + positions % block_size  # [num_seqs, max_len]
-    # a padding slot (past a request's seq_len) must be masked, unless there is none
-    if seq_lens_host is not None and min(seq_lens_host) == max_len:
-        valid = None
-    else:
-        valid = (positions[None, :] < seq_lens[:, None].long())[:, None, None, :]
-    first_slot = None
-    if len(table) == 1:
-        blocks = table[0].tolist()
-        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
-            first_slot = blocks[0] * block_size
-    return DecodePlan(slots.reshape(-1), valid, max_len, first_slot)
-
-
-def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                         scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """decode_attention_ref's result. q: [num_seqs, num_heads, head_dim] -> like q. K's scale folds into the
-    softmax scale and V's into the output, as in the Triton kernels."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    # [num_seqs, num_kv_heads, max_len, head_dim] views of one gathered copy (or of the cache itself)
-    if plan.first_slot is not None:
-        keys = k_cache.view(-1, num_kv_heads, head_dim).narrow(0, plan.first_slot, plan.max_len)
-        values = v_cache.view(-1, num_kv_heads, head_dim).narrow(0, plan.first_slot, plan.max_len)
-    else:
-        keys = from_bits(as_bits(k_cache).view(-1, num_kv_heads, head_dim).index_select(0, plan.slots), k_cache.dtype)
-        values = from_bits(as_bits(v_cache).view(-1, num_kv_heads, head_dim).index_select(0, plan.slots),
-                           v_cache.dtype)
-    # a lower-precision cache (kv_cache_dtype) is read back in the activations' dtype
-    keys = keys.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-    values = values.view(num_seqs, plan.max_len, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-    # the query heads of one KV head are that head's "query tokens": GQA without repeating K/V
-    group = num_heads // num_kv_heads
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.valid, scale=scale * k_scale)
-    if v_scale != 1.0:
-        out = out * v_scale
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)  # a fully masked row (seq_len 0) gives 0
-
-
-def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
-                          seq_lens: list[int], scale: float, k_scale: float = 1.0, v_scale: float = 1.0
-                          ) -> torch.Tensor:
-    """prefill_attention_ref's result; a request with no cached context attends over its own k, v (rounded as
-    the cache holds them), never reading the cache. q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens,
-    num_kv_heads, head_dim]."""
-    out = torch.empty_like(q)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    block_size = k_cache.shape[1]
-    start = 0
-    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-        end = start + query_len
-        context_len = seq_len - query_len
-        if context_len == 0:
-            keys, values = to_cache(k[start:end], k_cache.dtype, k_scale), to_cache(v[start:end], v_cache.dtype, v_scale)
-            mask = None
-        else:
-            positions = torch.arange(seq_len, device=q.device)
-            slots = block_tables[i].long()[positions // block_size] * block_size + positions % block_size
-            keys = from_bits(as_bits(k_cache).view(-1, num_kv_heads, head_dim).index_select(0, slots), k_cache.dtype)
-            values = from_bits(as_bits(v_cache).view(-1, num_kv_heads, head_dim).index_select(0, slots),
-                               v_cache.dtype)
-            mask = positions[None, :] <= positions[context_len:, None]  # [query_len, seq_len]
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a lower-precision cache: read back in q's dtype
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=mask is None, scale=scale * k_scale, enable_gqa=True)
-        if v_scale != 1.0:
-            o = o * v_scale
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
-        start = end
-    return out
-
-
-def store_kvcache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """store_kvcache_ref when every slot is >= 0: one index_copy_ each, no boolean mask."""
-    for x, cache, x_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        as_bits(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping,
-                                                              as_bits(to_cache(x, cache.dtype, x_scale)))
-
-
-def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token of a step: its request (row of the block tables) and how many tokens it attends to (causal:
-    its position + 1), both [num_tokens] int32, as the compiled CPU attention reads them."""
-    seqs: list[int] = []
-    lens: list[int] = []
-    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        seqs += [i] * query_len
-        lens += range(seq_len - query_len + 1, seq_len + 1)
-    return torch.tensor(seqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-
-
-@dataclass
-class _StepPlan:
-    meta: AttentionMetadata  # the step it belongs to (every layer of a step gets the same object)
-    all_slots_valid: bool
-    decode: DecodePlan | None
-
-
-class TorchAttentionBackend:
-    """Attention in plain torch on any device: the reference functions, or on the CPU their fast versions."""
-
+class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-
-    def __init__(self) -> None:
-        self._plan: _StepPlan | None = None  # what the CPU path derives once per step
-        # the step's token_rows, for the compiled path (forward_qkv) of a step with prefill chunks
-        self._rows: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
-
-    def _step_plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
-        if self._plan is None or self._plan.meta is not meta:
-            nd = meta.num_decodes
-            decode = decode_plan(meta.block_tables[:nd], meta.seq_lens[:nd], max(meta.seq_lens_host[:nd]),
-                                 block_size, meta.seq_lens_host[:nd]) if nd else None
-            valid = meta.slot_mapping.numel() == 0 or bool(meta.slot_mapping.min() >= 0)
-            self._plan = _StepPlan(meta, valid, decode)
-        return self._plan
-
-    @staticmethod
-    def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None,
-                  qkv: torch.Tensor | None = None) -> bool:
-        """A CPU step of float32 activations and a float32 or float16 cache, with the compiled ops
-        (kernels/cpu_ops.py): then forward_qkv runs the layer's q/k norm, RoPE, KV store and attention as one
-        call, decodes and prefill chunks alike."""
-        return (meta is not None and qkv is not None and rotary.cos.shape[-1] == head_dim
-                and cpu_ops.usable(qkv, rotary.cos) and cpu_ops.kv_cache_usable(k_cache))
-
-    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
-                    num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        """The CPU's fused attention (see fuses_qkv): qkv [num_tokens, (heads + 2 kv heads) * head_dim]. Its
-        caches are never fp8 (kv_cache_usable), so k_scale and v_scale are 1.0."""
-        assert k_scale == v_scale == 1.0, "the compiled CPU attention takes no fp8 cache"
-        if meta.num_prefills:  # token_rows once per step, for every layer
-            if self._rows is None or self._rows[0] is not meta:
-                self._rows = (meta, *token_rows(meta))
-            _, row_seq, attend_lens = self._rows
-        else:  # a decode step: row r is request r, and attends to its whole sequence
-            row_seq, attend_lens = None, meta.seq_lens
-        return cpu_ops.rope_store_attention(
-            qkv, positions, rotary.cos, rotary.sin, None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps, k_cache, v_cache,
-            meta.block_tables, attend_lens, meta.slot_mapping, num_heads, num_kv_heads, scale, row_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                 v_scale: float = 1.0) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q.
-        k_scale, v_scale: an fp8 cache's scales (attention/kv_fp8.py)."""
-        if k_cache.dtype == torch.int8:  # only forward_qkv's compiled kernel reads its rows' scales
-            raise ValueError(f"kv_cache_dtype 'int8' needs the compiled CPU attention, which this step cannot use "
-                             f"(activations {q.dtype} on {q.device}): use kv_cache_dtype 'auto'.")
-        if q.device.type == "cpu":
-            return self._forward_cpu(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        if k_cache.dtype == torch.int8:  # its rows carry their scales: only the CPU's compiled kernel reads them
+            raise ValueError("the reference attention reads float and fp8 KV caches, not kv_cache_dtype 'int8'.")
         store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -278,25 +28,7 @@ class TorchAttentionBackend:
             out[:nd] = decode_attention_ref(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                             meta.seq_lens[:nd], scale, k_scale, v_scale)
         if meta.num_prefills:
-            cu = meta.cu_seqlens_q[nd:] - nd
+            cu = meta.cu_seqlens_q[nd:] - nd  # decodes hold one token each: the chunks start at token nd
             out[nd:] = prefill_attention_ref(q[nd:], k_cache, v_cache, meta.block_tables[nd:], cu,
                                              meta.seq_lens[nd:], scale, k_scale, v_scale)
-        return out
-
-    def _forward_cpu(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float,
-                     v_scale: float) -> torch.Tensor:
-        plan = self._step_plan(meta, k_cache.shape[1])
-        if plan.all_slots_valid:
-            store_kvcache_cpu(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        else:
-            store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        nd = meta.num_decodes
-        if not meta.num_prefills:
-            return decode_attention_cpu(q, k_cache, v_cache, plan.decode, scale, k_scale, v_scale)
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = decode_attention_cpu(q[:nd], k_cache, v_cache, plan.decode, scale, k_scale, v_scale)
-        out[nd:] = prefill_attention_cpu(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.block_tables[nd:],
-                                         meta.query_lens_host[nd:], meta.seq_lens_host[nd:], scale, k_scale,
-                                         v_scale)
         return out

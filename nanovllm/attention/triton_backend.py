@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import AttentionMetadata
 
 
-class TritonAttentionBackend:
-    """Same contract as ``TorchAttentionBackend``, no host syncs: safe to capture in a CUDA graph.
+class TritonAttentionBackend(AttentionBackend):
+    """The CUDA default. No host syncs and nothing to prepare per step: safe to capture in a CUDA graph.
 
     The kernel modules (and so triton) are imported on first use, so the engine imports without triton.
     Host-side values read from ``meta``: ``num_decodes``, ``num_seqs`` (decodes + prefills),
@@ -33,13 +34,10 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                 v_scale: float = 1.0) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q.
-        k_scale, v_scale: an fp8 cache's scales (attention/kv_fp8.py)."""
         self._store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return self._attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
-    @staticmethod
-    def fuses_qkv(rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None,
+    def fuses_qkv(self, rotary, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata | None,
                   qkv: torch.Tensor | None = None) -> bool:
         """The fused kernel's conditions: float32 RoPE tables over the whole head, a power-of-two head_dim."""
         return (rotary.cos.dtype == torch.float32 and rotary.cos.shape[-1] == head_dim

@@ -9,6 +9,7 @@ import mmap
 import numpy as np
 import torch
 
+from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.distributed.state import TensorParallel, building_model
@@ -36,15 +37,21 @@ from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
 from nanovllm.platforms.cpu import cpu_ops
 from nanovllm.platforms.cpu.model import prepare_model
+from nanovllm.platforms.cpu.sampler import greedy_tokens as cpu_greedy_tokens
 
 logger = logging.getLogger(__name__)
 
 
-def make_attention_backend(config: EngineConfig):
+def make_attention_backend(config: EngineConfig) -> AttentionBackend:
+    """triton: the Triton kernels (the CUDA default); torch: on the CPU its own backend (the default there), on
+    CUDA the reference functions."""
     name = config.attention_backend or ("triton" if config.is_cuda else "torch")
     if name == "triton":
         from nanovllm.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
+    if not config.is_cuda:
+        from nanovllm.platforms.cpu.attention import CpuAttentionBackend
+        return CpuAttentionBackend()
     from nanovllm.attention.torch_backend import TorchAttentionBackend
     return TorchAttentionBackend()
 
@@ -99,7 +106,7 @@ class ModelRunner:
             prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles, config.cpu.block_passes)
 
         self.backend = make_attention_backend(config)
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_greedy_tokens if self.device.type == "cpu" else None)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # CUDA: sampling noise is drawn inside the sampling kernel from per-step seeds (nanovllm/kernels/sampling.py)
         self.seed_source = np.random.default_rng(config.seed) if self.device.type == "cuda" else None
@@ -213,6 +220,7 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------------------------
     def _forward(self, batch: StepBatch) -> torch.Tensor:
+        self.backend.prepare(batch.meta, self.block_size)
         with forward_context(batch.meta):
             return self.model(batch.input_ids, batch.positions)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.kv_fp8 import is_fp8
 from nanovllm.attention.metadata import get_forward_context, peek_forward_context
 
@@ -14,13 +15,13 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
-        self.backend = None
+        self.backend: AttentionBackend | None = None
         # an fp8 cache holds K / k_scale and V / v_scale (attention/kv_fp8.py): the checkpoint's scales when it
         # has them (loader/weights.py fills checkpoint_kv_scales: {"k_scale": ..., "v_scale": ...}), else 1.0
         self.checkpoint_kv_scales: dict[str, float] = {}
         self.k_scale = self.v_scale = 1.0
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend) -> None:
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
         """Give this layer its KV cache views ([num_blocks, block_size, num_kv_heads, head_dim]) and backend."""
         self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
         fp8 = is_fp8(k_cache.dtype)
@@ -30,8 +31,8 @@ class Attention(nn.Module):
     def fuses_qkv(self, rotary, qkv: torch.Tensor | None = None) -> bool:
         """Whether forward_qkv can run (on this qkv, this step, inside a forward): the backend has a fused kernel
         for it and the RoPE tables suit it."""
-        fuses = getattr(self.backend, "fuses_qkv", None)
-        return fuses is not None and fuses(rotary, self.head_dim, self.k_cache, peek_forward_context(), qkv)
+        return self.backend is not None and self.backend.fuses_qkv(rotary, self.head_dim, self.k_cache,
+                                                                    peek_forward_context(), qkv)
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm) -> torch.Tensor:
         """Attention straight from the fused qkv projection [num_tokens, (heads + 2 kv heads) * head_dim]: the

@@ -17,12 +17,11 @@ batched operation over the rows: a row that does not use a stage passes through 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-from nanovllm.platforms.cpu import cpu_ops
 
 
 @dataclass
@@ -167,15 +166,17 @@ def exponential_noise(shape: torch.Size, device: torch.device, generator: torch.
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1); on the CPU through the compiled ops (vectorized, a thread per row range: torch's
-    argmax over a 64-request step's logits takes ~4 ms on one core)."""
-    if logits.dim() == 2 and logits.stride(-1) == 1 and cpu_ops.usable(logits):
-        return cpu_ops.argmax_rows(logits)
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row of logits [B, V] -> [B] int64 (ties to the lowest id)."""
     return logits.argmax(dim=-1)
 
 
 class Sampler(nn.Module):
+    def __init__(self, greedy_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """greedy_tokens: the platform's argmax_tokens, where it has a faster one (platforms/cpu/sampler.py)."""
+        super().__init__()
+        self.greedy_tokens = greedy_tokens or argmax_tokens
+
     def forward(self, logits: torch.Tensor, params: SamplingTensors | torch.Tensor,
                 generator: torch.Generator | None = None) -> SamplerOutput:
         """logits: [B, V] -> SamplerOutput (token ids [B], and logprobs for the rows that report them).
@@ -209,7 +210,7 @@ class Sampler(nn.Module):
 
         filtered = params.min_p is not None or params.top_p is not None or params.top_k is not None
         if params.all_greedy:
-            token_ids = greedy_tokens(logits)
+            token_ids = self.greedy_tokens(logits)
         elif params.row_seeds is not None and not filtered:
             token_ids = gumbel_argmax(logits, params.temperatures, params.row_seeds)  # one pass, no softmax
         else:
@@ -229,7 +230,7 @@ class Sampler(nn.Module):
                 probs = torch.softmax(scaled, dim=-1)
                 noise = exponential_noise(probs.shape, probs.device, generator, params.generators)
                 sampled = (probs / noise).argmax(dim=-1)
-                token_ids = torch.where(is_greedy, greedy_tokens(logits), sampled)
+                token_ids = torch.where(is_greedy, self.greedy_tokens(logits), sampled)
 
         if raw_logprobs is not None:
             sampled_logprobs = compute_logprobs(raw_logprobs, token_ids[params.logprob_rows], params.num_logprobs)

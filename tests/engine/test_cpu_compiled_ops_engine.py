@@ -14,7 +14,8 @@ from tests.helpers import hf_greedy, save_tiny_model
 def op_calls(monkeypatch) -> dict[str, list[int]]:
     """Spy on the compiled ops: the row count of every call, by op."""
     calls: dict[str, list[int]] = {}
-    for name in ("rope_store_attention", "add_rms_norm", "silu_and_mul", "linear_i8", "linear_i8_tiles"):
+    for name in ("rope_store_attention", "add_rms_norm", "silu_and_mul", "linear_i8", "linear_i8_tiles",
+                 "argmax_rows"):
         original = getattr(cpu_ops, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
@@ -30,9 +31,13 @@ def op_calls(monkeypatch) -> dict[str, list[int]]:
 def test_steps_give_hf_tokens_with_and_without_the_compiled_ops(family, compiled, tmp_path, monkeypatch,
                                                                 op_calls):
     from nanovllm import LLM, SamplingParams
+    from nanovllm.platforms.cpu import attention as cpu_attention
 
     if not compiled:
         monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    decode_plans = []  # the torch path's slots of the decodes: planned once per step, shared by the layers
+    plan = cpu_attention.decode_plan
+    monkeypatch.setattr(cpu_attention, "decode_plan", lambda *args: decode_plans.append(1) or plan(*args))
     path = save_tiny_model(family, tmp_path / family)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 9, 30)]
@@ -44,10 +49,13 @@ def test_steps_give_hf_tokens_with_and_without_the_compiled_ops(family, compiled
     assert llm.scheduler.block_manager.num_hit_tokens == 16
     if not compiled:
         assert not op_calls  # the same steps as torch ops
+        assert len(decode_plans) == 6  # every step has decodes (the 1-token prompt is one in the first)
         return
     # the prompts prefill in one step (40 rows, and 7 of the last prompt's 23), then 5 decode steps with every
     # request in each; 2 layers
     assert op_calls["rope_store_attention"] == [47] * 2 + [4] * 10
+    assert not decode_plans
+    assert op_calls["argmax_rows"] == [4] * 6  # the CPU's greedy tokens, given to the sampler at load
     assert 4 in op_calls["add_rms_norm"] and 4 in op_calls["silu_and_mul"]
     assert "linear_i8" not in op_calls  # float32 model, no cpu_int8
 
@@ -129,7 +137,7 @@ def test_an_int8_kv_cache_needs_the_compiled_attention(tmp_path, monkeypatch):
     """Only the compiled kernel reads int8 rows and their scales: without it the engine refuses at start, and
     the torch attention refuses such a cache rather than read its bytes as values."""
     from nanovllm import LLM
-    from nanovllm.attention.torch_backend import TorchAttentionBackend
+    from nanovllm.platforms.cpu.attention import CpuAttentionBackend
 
     path = save_tiny_model("llama", tmp_path / "llama")
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
@@ -138,7 +146,7 @@ def test_an_int8_kv_cache_needs_the_compiled_attention(tmp_path, monkeypatch):
     q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
     cache = torch.zeros(4, 16, 1, 12, dtype=torch.int8)
     with pytest.raises(ValueError, match="needs the compiled CPU attention"):
-        TorchAttentionBackend().forward(q, k, k, cache, cache, None, 1.0)
+        CpuAttentionBackend().forward(q, k, k, cache, cache, None, 1.0)
 
 
 def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):

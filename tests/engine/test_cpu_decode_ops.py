@@ -4,9 +4,10 @@ call, decode attention over a lone request's K/V read in place, and with no mask
 import pytest
 import torch
 
-from nanovllm.attention.torch_backend import decode_attention_cpu, decode_attention_ref, decode_plan
+from nanovllm.attention.reference import decode_attention_ref
 from nanovllm.layers.norm import RMSNorm, add_rms_norm, rms_norm
 from nanovllm.layers.rotary import RotaryEmbedding, _rotate
+from nanovllm.platforms.cpu.attention import decode_attention_cpu, decode_plan
 from nanovllm.platforms.cpu.layers import CpuRMSNorm, CpuRotaryEmbedding
 from tests.helpers import tiny_config
 

@@ -8,21 +8,20 @@ import torch.nn.functional as F
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.torch_backend import (
-    TorchAttentionBackend,
-    decode_attention_cpu,
-    decode_attention_ref,
-    decode_plan,
-    prefill_attention_cpu,
-    prefill_attention_ref,
-    store_kvcache_ref,
-)
+from nanovllm.attention.reference import decode_attention_ref, prefill_attention_ref, store_kvcache_ref
 from nanovllm.config import EngineConfig
 from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import QKVParallelLinear
 from nanovllm.platforms.cpu import linear as cpu_linear
 from nanovllm.platforms.cpu import settings as cpu_settings
+from nanovllm.platforms.cpu.attention import (
+    CpuAttentionBackend,
+    decode_attention_cpu,
+    decode_plan,
+    prefill_attention_cpu,
+)
 from nanovllm.platforms.cpu.row_scale import RowScaled, normalize_rows
+from nanovllm.platforms.cpu.sampler import greedy_tokens as cpu_greedy_tokens
 
 
 def paged(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=torch.float32, seed: int = 0):
@@ -93,7 +92,9 @@ def test_backend_on_a_mixed_batch_matches_the_references():
                                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
                                  num_decodes=2, num_decode_tokens=2, max_query_len=4, max_seq_len=9,
                                  query_lens_host=query_lens, seq_lens_host=seq_lens)
-        out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.5)
+        backend = CpuAttentionBackend()
+        backend.prepare(meta, block_size)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5)
         store_kvcache_ref(k, v, k_ref, v_ref, slots)
         assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
         ref_decode = decode_attention_ref(q[:2], k_ref, v_ref, tables[:2], meta.seq_lens[:2], 0.5)
@@ -103,6 +104,38 @@ def test_backend_on_a_mixed_batch_matches_the_references():
             torch.testing.assert_close(out[:1], ref_decode[:1], atol=1e-5, rtol=1e-5)
         else:
             torch.testing.assert_close(out, torch.cat([ref_decode, ref_prefill]), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_refuses_a_step_it_was_not_prepared_for():
+    """The per-step plan belongs to one step's metadata: a forward for another step must not read it."""
+    k_cache, v_cache = paged(4, 4, 1, 8)
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+
+    def decode_step() -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=torch.tensor([2]), cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                                 seq_lens=torch.tensor([3], dtype=torch.int32),
+                                 block_tables=torch.tensor([[0]], dtype=torch.int32), num_decodes=1,
+                                 num_decode_tokens=1, max_query_len=1, max_seq_len=3, query_lens_host=[1],
+                                 seq_lens_host=[3])
+
+    backend, step, next_step = CpuAttentionBackend(), decode_step(), decode_step()
+    with pytest.raises(RuntimeError, match="prepare"):
+        backend.forward(q, k, k, k_cache, v_cache, step, 1.0)
+    backend.prepare(step, 4)
+    backend.forward(q, k, k, k_cache, v_cache, step, 1.0)
+    backend.prepare(next_step, 4)
+    with pytest.raises(RuntimeError, match="prepare"):
+        backend.forward(q, k, k, k_cache, v_cache, step, 1.0)
+
+
+def test_cpu_greedy_tokens_equal_torch_argmax():
+    """The compiled argmax the CPU gives its sampler: ties to the lowest id; other dtypes and strided rows fall
+    back to torch."""
+    logits = torch.randn(5, 1000)
+    logits[1, 17] = logits[1, 900] = 50.0
+    logits[3] = 0.0  # all tied
+    for x in (logits, logits.bfloat16(), logits[:, ::2]):
+        assert torch.equal(cpu_greedy_tokens(x), x.argmax(dim=-1))
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")

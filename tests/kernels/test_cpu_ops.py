@@ -7,13 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.attention.torch_backend import (
-    decode_attention_ref,
-    prefill_attention_ref,
-    store_kvcache_ref,
-    token_rows,
-)
+from nanovllm.attention.reference import decode_attention_ref, prefill_attention_ref, store_kvcache_ref
 from nanovllm.platforms.cpu import cpu_ops
+from nanovllm.platforms.cpu.attention import token_rows
 
 if cpu_ops.load() is None:  # the suite's machines have a C compiler; say so loudly if one does not
     pytest.fail("the CPU decode ops did not build (no C compiler, or NANOVLLM_CPU_KERNELS=0)", pytrace=False)

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from nanovllm.attention.torch_backend import decode_attention_ref  # noqa: E402
+from nanovllm.attention.reference import decode_attention_ref  # noqa: E402
 from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention, plan_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

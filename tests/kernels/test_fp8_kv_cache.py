@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 pytest.importorskip("triton", reason="triton is not installed")
 
 from nanovllm.attention.kv_fp8 import FP8_DTYPE, FP8_MAX, to_cache  # noqa: E402
-from nanovllm.attention.torch_backend import (  # noqa: E402
+from nanovllm.attention.reference import (  # noqa: E402
     decode_attention_ref,
     prefill_attention_ref,
     store_kvcache_ref,

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from nanovllm.attention.torch_backend import prefill_attention_ref  # noqa: E402
+from nanovllm.attention.reference import prefill_attention_ref  # noqa: E402
 from nanovllm.kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from nanovllm.attention.torch_backend import store_kvcache_ref  # noqa: E402
+from nanovllm.attention.reference import store_kvcache_ref  # noqa: E402
 from nanovllm.kernels.store_kvcache import store_kvcache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
