@@ -86,26 +86,64 @@ def prepare_batch(seqs: list[Sequence], block_size: int, device: torch.device) -
 
 
 def prepare_decode_ahead(seqs: list[Sequence], source_rows: list[int], block_size: int,
-                         device: torch.device) -> StepBatch:
+                         device: torch.device, tables: DecodeBlockTables | None = None) -> StepBatch:
     """Inputs of a decode step planned while the previous step still runs (asynchronous scheduling).
 
     Each sequence has one token in flight: sampled by the previous step, not yet appended on the host. This
     step computes that token, at position ``num_tokens``, so the block manager must already hold a slot for it.
     Its id is only on the device: ``input_ids`` holds ``source_rows`` (row i: which row of the previous step's
-    sampled tokens is sequence i's), for the runner to gather from there.
+    sampled tokens is sequence i's), for the runner to gather from there. ``tables``: the block tables kept
+    from the planned step before (``DecodeBlockTables``).
     """
     num_seqs = len(seqs)
     positions = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=num_seqs)
     seq_lens = positions + 1
     query_lens = np.ones(num_seqs, dtype=np.int64)
     cu_seqlens_q = np.arange(num_seqs + 1, dtype=np.int64)
-    block_tables = _block_tables(seqs)
+    block_tables = tables.of(seqs) if tables is not None else _block_tables(seqs)
     slot_mapping = _slots(block_tables, np.arange(num_seqs), positions, block_size)
     rows = np.asarray(source_rows, dtype=np.int64)
     batch = _pack(rows, positions, slot_mapping, cu_seqlens_q, query_lens, seq_lens, block_tables,
                   np.arange(num_seqs), list(range(num_seqs)), num_seqs, device)
     batch.sample_counts = [1] * num_seqs
     return batch
+
+
+class DecodeBlockTables:
+    """The block tables of consecutive planned decode steps, kept across them.
+
+    Between two planned steps a sequence's block table can only grow (a block for the token in flight): the
+    scheduler preempts, allocates and trims only in steps scheduled the ordinary way, and those build their
+    batch with ``prepare_batch``, after which ``reset`` must be called. So while a planned step holds the same
+    sequences in the same order as the one before, only the rows whose table grew are written again.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._seqs: list[Sequence] | None = None
+        self._tables = np.empty((0, 0), dtype=np.int32)
+        self._lens = np.empty(0, dtype=np.int64)
+
+    def of(self, seqs: list[Sequence]) -> np.ndarray:
+        """[num_seqs, longest table] int32, as ``_block_tables(seqs)``; the caller copies it before the next call."""
+        lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+        if self._seqs is None or seqs != self._seqs:
+            self._seqs, self._tables, self._lens = list(seqs), _block_tables(seqs), lens
+            return self._tables
+        grown = np.flatnonzero(lens != self._lens)
+        if grown.size:
+            width = int(lens.max())
+            if width > self._tables.shape[1]:
+                wider = np.full((len(seqs), width), -1, dtype=np.int32)
+                wider[:, :self._tables.shape[1]] = self._tables
+                self._tables = wider
+            for i in grown.tolist():
+                table = seqs[i].block_table
+                self._tables[i, :len(table)] = table
+            self._lens = lens
+        return self._tables
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:

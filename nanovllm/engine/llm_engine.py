@@ -352,8 +352,9 @@ class LLMEngine:
             if state.num_prompt_logprobs_missing == 0:
                 seqs[i].needs_prompt_logprobs = False  # a recompute after preemption needs no logits again
         for seq, token_id, logprobs in zip(seqs, output.token_ids, output.logprobs, strict=True):
-            if token_id is None:
-                continue
+            params = seq.sampling_params
+            if token_id is None or (not params.stop and params.logprobs is None and params.n == 1):
+                continue  # nothing to record per step: its text and output wait for make_output
             state = self.requests.get(seq.request_id)
             if state is None or state.error is not None:
                 continue

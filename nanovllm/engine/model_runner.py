@@ -13,11 +13,11 @@ from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.distributed.state import TensorParallel, building_model
-from nanovllm.engine.batch import StepBatch, prepare_batch, prepare_decode_ahead
+from nanovllm.engine.batch import DecodeBlockTables, StepBatch, prepare_batch, prepare_decode_ahead
 from nanovllm.engine.sampling import (
     RunnerOutput,
+    SamplingTensorCache,
     _to_device,
-    build_sampling_tensors,
     compute_prompt_logprobs,
     logprob_entries,
     prompt_logprob_rows,
@@ -107,6 +107,8 @@ class ModelRunner:
 
         self.backend = make_attention_backend(config)
         self.sampler = Sampler(cpu_greedy_tokens if self.device.type == "cpu" else None)
+        self.decode_tables = DecodeBlockTables()  # block tables kept across planned decode steps
+        self.sampling_cache = SamplingTensorCache()  # kept across steps while the same sequences sample
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         # CUDA: sampling noise is drawn inside the sampling kernel from per-step seeds (nanovllm/kernels/sampling.py)
         self.seed_source = np.random.default_rng(config.seed) if self.device.type == "cuda" else None
@@ -248,11 +250,12 @@ class ModelRunner:
         rank samples on its slice of the vocabulary (tensor parallel; the step needs nothing else).
         """
         if after is None:
+            self.decode_tables.reset()  # this step may preempt, allocate or trim: tables change in any way
             batch = prepare_batch(seqs, self.block_size, self.device)
         else:
             if source_rows is None:
                 source_rows = after.rows_of(seqs)
-            batch = prepare_decode_ahead(seqs, source_rows, self.block_size, self.device)
+            batch = prepare_decode_ahead(seqs, source_rows, self.block_size, self.device, self.decode_tables)
             batch.input_ids = after.token_ids.index_select(0, batch.input_ids)
             prompt_logprob_seqs = []  # decodes only; the sequences' step fields still describe the step before
         if self.graphs is not None and batch.is_decode_only and self.graphs.fits(batch.meta.num_seqs):
@@ -289,13 +292,15 @@ class ModelRunner:
         if not batch.sampled_seq_indices:
             return handle
         if logits is not None:
-            # a verifying request has a row per token: row j samples after its first j draft tokens
-            row_seqs, drafted = [], []
-            for i, count in zip(batch.sampled_seq_indices, batch.sample_counts, strict=True):
-                row_seqs += [seqs[i]] * count
-                drafted += [seqs[i].draft_token_ids[:j] for j in range(count)]
-            params = build_sampling_tensors(row_seqs, logits.shape[-1], self.device, self.seed_source,
-                                            drafted if len(row_seqs) > len(batch.sampled_seq_indices) else None)
+            sampled = batch.sampled_seq_indices
+            if logits.shape[0] == len(sampled):  # a row each
+                row_seqs, drafted = (seqs if len(sampled) == len(seqs) else [seqs[i] for i in sampled]), None
+            else:  # a verifying request has a row per token: row j samples after its first j draft tokens
+                row_seqs, drafted = [], []
+                for i, count in zip(sampled, batch.sample_counts, strict=True):
+                    row_seqs += [seqs[i]] * count
+                    drafted += [seqs[i].draft_token_ids[:j] for j in range(count)]
+            params = self.sampling_cache.build(row_seqs, logits.shape[-1], self.device, self.seed_source, drafted)
             result = self.sampler(logits, params, self.generator)
             handle.token_ids = result.token_ids
             handle.fetch(result)
@@ -336,6 +341,8 @@ class StepHandle:
 
     def rows_of(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's row in ``token_ids`` (every one of them sampled in this step)."""
+        if seqs == self.seqs and len(self.batch.sampled_seq_indices) == len(seqs):  # the same batch again
+            return list(range(len(seqs)))
         row_of_seq = {id(self.seqs[i]): row for row, i in enumerate(self.batch.sampled_seq_indices)}
         return [row_of_seq[id(s)] for s in seqs]
 

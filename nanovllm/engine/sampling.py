@@ -6,6 +6,7 @@ the vocabulary); the tensors go to the device in a few copies, and the results c
 
 from __future__ import annotations
 
+from copy import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,6 +209,97 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
         tensors.logprob_rows = _to_device(np.array(with_logprobs, dtype=np.int64), device)
         tensors.num_logprobs = max(seqs[i].sampling_params.logprobs for i in with_logprobs)
     return tensors
+
+
+def _static_row(seq: Sequence) -> tuple | None:
+    """The sequence's sampling settings when they no longer change from step to step, else None: (temperature (0 =
+    greedy), top_p, top_k, min_p, seeded, logprobs width or -1). Rows that mask logits, use penalties or still ban
+    stop tokens (min_tokens) are built anew each step. Cached on the sequence: its parameters never change, and a
+    min_tokens ban, once over, does not return (the generated tokens only grow)."""
+    row = seq.sampling_row
+    if row is None:
+        p = seq.sampling_params
+        if p.masks_logits or p.has_penalties or _bans_stop_tokens(seq):
+            return None
+        logprobs = -1 if p.logprobs is None else p.logprobs
+        if _is_greedy(p):
+            row = (*_GREEDY_ROW, False, logprobs)  # a greedy row's filters do not matter, nor its seed
+        else:
+            row = (p.temperature, p.top_p, p.top_k, p.min_p, p.seed is not None, logprobs)
+        seq.sampling_row = row
+    return row
+
+
+@dataclass
+class _CachedSampling:
+    """The parts of a step's SamplingTensors that stay while the rows' sequences do (everything but the seeds)."""
+
+    seq_ids: list[int]
+    tensors: SamplingTensors  # with row_seeds unset: a fresh draw each step
+    seeded: dict[int, np.random.Generator]  # row -> the seeded request's host generator (CUDA's in-kernel seeds)
+
+
+class SamplingTensorCache:
+    """One runner's SamplingTensors across steps: rebuilt only when the rows' sequences (or their order) change.
+
+    A decode step's sampling settings are the same as the step before's as long as the same sequences sample in
+    the same order and none of them reads its history (penalties, bad words, grammars, a min_tokens ban): then
+    only the per-step noise seeds are drawn anew (in the order ``build_sampling_tensors`` draws them). A batch
+    with such rows, or with draft rows, is built in full each step.
+    """
+
+    def __init__(self):
+        self._cached: _CachedSampling | None = None
+
+    def build(self, seqs: list[Sequence], vocab_size: int, device: torch.device,
+              seed_source: np.random.Generator | None = None,
+              drafted: list[list[int]] | None = None) -> SamplingTensors:
+        if drafted is not None:
+            return build_sampling_tensors(seqs, vocab_size, device, seed_source, drafted)
+        seq_ids = [s.seq_id for s in seqs]
+        cached = self._cached
+        if cached is None or cached.seq_ids != seq_ids:
+            rows = [_static_row(s) for s in seqs]
+            if None in rows:
+                self._cached = None
+                return build_sampling_tensors(seqs, vocab_size, device, seed_source)
+            cached = self._cached = _static_sampling(seqs, seq_ids, rows, device, seed_source)
+        tensors = copy(cached.tensors)
+        if seed_source is not None and not tensors.all_greedy:
+            tensors.row_seeds = _to_device(_draw_row_seeds(len(seqs), seed_source, cached.seeded), device)
+        return tensors
+
+
+def _static_sampling(seqs: list[Sequence], seq_ids: list[int], rows: list[tuple], device: torch.device,
+                     seed_source: np.random.Generator | None) -> _CachedSampling:
+    """``build_sampling_tensors`` for rows whose settings are all static (``_static_row``), from those rows in a
+    few numpy operations; the same tensors, without the seeds of CUDA's per-step draw."""
+    table = np.array(rows, dtype=np.float64)  # [rows, 6]
+    sampled = table[:, 0] > 0
+    seeded: dict[int, np.random.Generator] = {}
+    generators: dict[int, torch.Generator] = {}
+    for i in np.flatnonzero(table[:, 4] > 0).tolist():  # seeded rows (never greedy ones)
+        if seed_source is not None:
+            seeded[i] = row_seed_source(seqs[i])
+        else:
+            generators[i] = request_generator(seqs[i], device)
+    if not sampled.any():
+        tensors = SamplingTensors(temperatures=torch.zeros(len(seqs), device=device), all_greedy=True)
+    else:
+        values = _to_device(np.ascontiguousarray(table[:, :4].T, dtype=np.float32), device)
+        tensors = SamplingTensors(temperatures=values[0], generators=generators)
+        if (table[sampled, 1] < 1.0).any():
+            tensors.top_p = values[1]
+        max_top_k = int(table[sampled, 2].max())
+        if max_top_k > 0:
+            tensors.top_k, tensors.max_top_k = values[2].long(), max_top_k
+        if (table[sampled, 3] > 0.0).any():
+            tensors.min_p = values[3]
+    with_logprobs = np.flatnonzero(table[:, 5] >= 0)
+    if len(with_logprobs):
+        tensors.logprob_rows = _to_device(with_logprobs.astype(np.int64), device)
+        tensors.num_logprobs = int(table[with_logprobs, 5].max())
+    return _CachedSampling(seq_ids, tensors, seeded)
 
 
 def token_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:

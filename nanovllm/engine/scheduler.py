@@ -180,24 +180,26 @@ class Scheduler:
                                           or any(self.proposer.may_propose(s) for s in self.running)):
             return []  # a draft's accepted length, or the next one, needs the tokens in flight
         sampled = {id(s) for s in in_flight if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens}
-        block_size = self.config.kvcache_block_size
-        seqs, new_blocks = [], 0
+        block_size, max_model_len = self.config.kvcache_block_size, self.config.max_model_len
+        seqs, growing = [], []
         for seq in self.running:
             params = seq.sampling_params
-            if id(seq) not in sampled or params.min_tokens > seq.num_completion_tokens or params.reads_output:
+            if id(seq) not in sampled or params.min_tokens > seq.num_tokens - seq.num_prompt_tokens \
+                    or params.reads_output:
                 return []
             after = seq.num_tokens + 1  # once the token in flight is appended
             if ((seq.max_tokens is not None and after - seq.num_prompt_tokens >= seq.max_tokens)
-                    or after >= self.config.max_model_len):
+                    or after >= max_model_len):
                 continue  # finishes with the token in flight: nothing more to compute
             if len(seq.block_table) * block_size < after:
-                new_blocks += 1
+                growing.append(seq)
             seqs.append(seq)
-        if new_blocks > self.block_manager.num_free_blocks:
+        if len(growing) > self.block_manager.num_free_blocks:
             return []
-        for seq in seqs:
+        for seq in growing:  # the others' slot for the token in flight is in a block they hold
             self.block_manager.reserve_slots(seq, seq.num_tokens + 1)
-            if self.proposer is not None:
+        if self.proposer is not None:
+            for seq in seqs:
                 self.proposer.pass_step(seq)
         return seqs
 
@@ -256,7 +258,33 @@ class Scheduler:
         """
         self._published = []  # their K/V is written now
         finished = []
+        eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
+        block_size, caching = self.config.kvcache_block_size, self.block_manager.enable_prefix_caching
+        num_decoded = 0
         for seq, token_id in zip(seqs, token_ids, strict=True):
+            if (not seq.is_prefill and token_id is not None and not isinstance(token_id, list)
+                    and not seq.draft_token_ids and seq.status is SequenceStatus.RUNNING):
+                # a plain decode, the common case: what the general path below does for it, with the stop checks
+                # asked for only when the token or the length could stop it
+                num_decoded += seq.num_scheduled_tokens
+                seq.num_cached_tokens += seq.num_scheduled_tokens
+                seq.num_scheduled_tokens = 0
+                assert seq.num_cached_tokens == seq.num_tokens
+                seq.token_ids.append(token_id)
+                seq.last_token = token_id
+                seq.num_tokens += 1
+                limit = max_model_len if seq.max_tokens is None else min(
+                    max_model_len, seq.num_prompt_tokens + seq.max_tokens)
+                if caching and seq.num_cached_tokens // block_size > len(seq.block_hashes):
+                    self.block_manager.cache_computed_blocks(seq)
+                if (seq.num_tokens >= limit or token_id in eos_token_ids
+                        or token_id in seq.sampling_params.stop_token_ids):
+                    stop = self.check_stop(seq, token_id)
+                    if stop is not None:
+                        self.running.remove(seq)
+                        self._finish(seq, *stop)
+                        finished.append(seq)
+                continue
             num_drafts = len(seq.draft_token_ids)
             seq.draft_token_ids = []
             if seq.is_finished:
@@ -293,6 +321,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, *stop)
                 finished.append(seq)
+        self.stats.num_decode_tokens_computed += num_decoded
         return finished
 
     def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:

@@ -61,6 +61,7 @@ class Sequence:
         self.needs_prompt_logprobs = False  # the runner computes logits on its prompt rows while set
         self.generator = None  # torch.Generator of a seeded request, created by the sampler on first use
         self.token_array_cache = None  # (numpy buffer, filled) of token_ids, for penalties (engine/sampling.py)
+        self.sampling_row = None  # its sampling settings once they are static (engine/sampling.py)
         self.grammar = None  # RequestGrammar of a structured-outputs request (nanovllm/structured_outputs)
         self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # bad_words as token ids (engine/sampling.py)
         # Speculative decoding: the draft tokens this step verifies after last_token (the scheduler sets them;
