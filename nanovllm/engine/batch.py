@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -96,7 +97,7 @@ def prepare_decode_ahead(seqs: list[Sequence], source_rows: list[int], block_siz
     from the planned step before (``DecodeBlockTables``).
     """
     num_seqs = len(seqs)
-    positions = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=num_seqs)
+    positions = np.fromiter(map(attrgetter("num_tokens"), seqs), dtype=np.int64, count=num_seqs)
     seq_lens = positions + 1
     query_lens = np.ones(num_seqs, dtype=np.int64)
     cu_seqlens_q = np.arange(num_seqs + 1, dtype=np.int64)
@@ -128,7 +129,7 @@ class DecodeBlockTables:
 
     def of(self, seqs: list[Sequence]) -> np.ndarray:
         """[num_seqs, longest table] int32, as ``_block_tables(seqs)``; the caller copies it before the next call."""
-        lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+        lens = np.fromiter(map(len, map(attrgetter("block_table"), seqs)), dtype=np.int64, count=len(seqs))
         if self._seqs is None or seqs != self._seqs:
             self._seqs, self._tables, self._lens = list(seqs), _block_tables(seqs), lens
             return self._tables

@@ -371,7 +371,10 @@ class StepHandle:
         if self._done is not None:
             self._done.synchronize()
         token_ids = self._host[0].tolist()
-        if len(token_ids) == len(batch.sampled_seq_indices):  # one row each: no request verified a draft
+        if len(token_ids) == len(batch.sampled_seq_indices) == len(seqs):  # every sequence sampled one row
+            output.token_ids = token_ids
+            row_counts = None
+        elif len(token_ids) == len(batch.sampled_seq_indices):  # one row each: no request verified a draft
             for i, token in zip(batch.sampled_seq_indices, token_ids, strict=True):
                 output.token_ids[i] = token
             row_counts = None

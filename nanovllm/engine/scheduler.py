@@ -183,9 +183,12 @@ class Scheduler:
         block_size, max_model_len = self.config.kvcache_block_size, self.config.max_model_len
         seqs, growing = [], []
         for seq in self.running:
+            if id(seq) not in sampled:
+                return []
+            # (settings the sampler found static neither read the history nor wait for min_tokens: engine/sampling.py)
             params = seq.sampling_params
-            if id(seq) not in sampled or params.min_tokens > seq.num_tokens - seq.num_prompt_tokens \
-                    or params.reads_output:
+            if seq.sampling_row is None and (params.min_tokens > seq.num_tokens - seq.num_prompt_tokens
+                                             or params.reads_output):
                 return []
             after = seq.num_tokens + 1  # once the token in flight is appended
             if ((seq.max_tokens is not None and after - seq.num_prompt_tokens >= seq.max_tokens)
@@ -260,10 +263,10 @@ class Scheduler:
         finished = []
         eos_token_ids, max_model_len = self.eos_token_ids, self.config.max_model_len
         block_size, caching = self.config.kvcache_block_size, self.block_manager.enable_prefix_caching
-        num_decoded = 0
+        num_decoded, running = 0, SequenceStatus.RUNNING
         for seq, token_id in zip(seqs, token_ids, strict=True):
-            if (not seq.is_prefill and token_id is not None and not isinstance(token_id, list)
-                    and not seq.draft_token_ids and seq.status is SequenceStatus.RUNNING):
+            if (type(token_id) is int and not seq.is_prefill and not seq.draft_token_ids
+                    and seq.status is running):
                 # a plain decode, the common case: what the general path below does for it, with the stop checks
                 # asked for only when the token or the length could stop it
                 num_decoded += seq.num_scheduled_tokens
