@@ -1,10 +1,12 @@
 """The host's share of a decode step: microseconds of Python per step and per decoding request.
 
-B requests of --context prompt tokens decode together on a tiny random model on the CPU, with asynchronous
-scheduling on (as on CUDA: the next step is planned while the one before runs). The forward, the LM head and the
-sampler are the device's work: they are timed apart and taken out, so what is left is what the host does per step
-(scheduling, the batch's arrays, the sampling tensors, postprocessing, stop checks, outputs). With --outputs the
-caller also builds every request's DELTA output each step (a server's front end does that per step).
+B requests of --context prompt tokens decode together on a tiny random model on the CPU (also on a GPU machine),
+with asynchronous scheduling on (as on CUDA: the next step is planned while the one before runs) and CUDA's KV
+block size. The forward, the LM head and the sampler are the device's work: they are timed apart and taken out,
+so what is left is what the host does per step (scheduling, the batch's arrays, the sampling tensors,
+postprocessing, stop checks). With --outputs the caller also builds every request's DELTA output each step (as
+an in-process streaming caller does). CUDA's own host work (copies to pinned memory, graph replay, kernel
+launches) is not in it.
 
     python benchmarks/host_step.py --batch-sizes 8 64 256
     python benchmarks/host_step.py --batch-sizes 256 --profile 25   # cProfile's top functions
@@ -119,7 +121,7 @@ def main() -> None:
         llm = LLM(model, max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(4096, max_len),
                   max_model_len=max_len, kvcache_block_size=args.block_size,
                   num_kvcache_blocks=max(args.batch_sizes) * (-(-max_len // args.block_size) + 1),
-                  async_scheduling=not args.sync, enforce_eager=True)
+                  async_scheduling=not args.sync, enforce_eager=True, device="cpu")
         timer = DeviceTimer(getattr(llm.runner, "runner", llm.runner))
         results = []
         for batch in args.batch_sizes:

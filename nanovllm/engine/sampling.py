@@ -351,15 +351,16 @@ def temperature_only_rows(seqs: list[Sequence],
     temperatures = np.zeros(len(seqs), dtype=np.float32)
     seeded: dict[int, np.random.Generator] = {}
     for i, seq in enumerate(seqs):
-        p = seq.sampling_params
-        if p.logprobs is not None or p.has_penalties or p.masks_logits or _bans_stop_tokens(seq):
+        row = _static_row(seq)  # None: it reads its history (penalties, masks, a min_tokens ban)
+        if row is None or row[5] >= 0:  # (or wants logprobs)
             return None
-        if _is_greedy(p):
+        temperature, top_p, top_k, min_p, is_seeded, _ = row
+        if temperature == 0:  # greedy
             continue
-        if p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0:
+        if top_p < 1.0 or top_k > 0 or min_p > 0.0:
             return None
-        temperatures[i] = p.temperature
-        if p.seed is not None:
+        temperatures[i] = temperature
+        if is_seeded:
             seeded[i] = row_seed_source(seq)
     if not temperatures.any():  # all greedy: build_sampling_tensors draws no seeds either
         return temperatures, np.zeros(len(seqs), dtype=np.int64)

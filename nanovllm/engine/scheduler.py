@@ -273,9 +273,7 @@ class Scheduler:
                 seq.num_cached_tokens += seq.num_scheduled_tokens
                 seq.num_scheduled_tokens = 0
                 assert seq.num_cached_tokens == seq.num_tokens
-                seq.token_ids.append(token_id)
-                seq.last_token = token_id
-                seq.num_tokens += 1
+                seq.append_token(token_id)
                 limit = max_model_len if seq.max_tokens is None else min(
                     max_model_len, seq.num_prompt_tokens + seq.max_tokens)
                 if caching and seq.num_cached_tokens // block_size > len(seq.block_hashes):
