@@ -220,15 +220,23 @@ def core_params(params):
 
 
 def run_engine_core(conn, engine_args: dict) -> None:
-    """Process target: build the engine, say ("ready", CoreInfo) or ("failed", why), then serve ``conn``."""
+    """Process target: say ("loading", what it loads), build the engine, say ("ready", CoreInfo) or ("failed",
+    why), then serve ``conn``. The front end never imports torch: the engine's arguments are checked here."""
     import os
     import sys
+    import warnings
 
     # Ctrl-C reaches the whole process group: the front end drains and then stops the core, not the signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine = None
     try:
         _bind_device(engine_args.get("device"))
+        from nanovllm.config import EngineConfig
+        from nanovllm.engine.summary import loading_line
+        with warnings.catch_warnings():  # the engine checks the same arguments again, and warns then
+            warnings.simplefilter("ignore")
+            known = {k: v for k, v in engine_args.items() if k in EngineConfig.field_names()}  # LLMEngine names
+            conn.send(("loading", loading_line(EngineConfig(**known))))  # the others, below
         from nanovllm.engine.llm_engine import LLMEngine
         engine = LLMEngine(**engine_args)
         if engine.config.device == "cpu" and engine.config.tensor_parallel_size == 1:
