@@ -75,6 +75,7 @@ class EngineCore:
     def run(self) -> None:
         engine = self.engine
         outbox = _Outbox(self.conn)
+        self.heap.trim(busy=False)  # what loading the model freed
         try:
             while True:
                 changed = self._handle_commands(block=not engine.has_unfinished_requests())

@@ -50,13 +50,19 @@ def test_an_unknown_name_of_the_package_root_is_an_attribute_error():
     assert "NoSuchThing" in out
 
 
-def test_a_serving_front_end_has_no_torch_loaded(server):
-    """After a request went through it (tokenized, detokenized), the front end process maps no libtorch."""
-    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    assert response.status_code == 200, response.text
-    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
-    assert "libtorch" not in maps
-    core_pids = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
-    assert any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in core_pids)  # the engine core's
+def test_a_serving_front_end_has_no_torch_loaded(chat_model):
+    """After a request went through it (tokenized, detokenized), the front end process maps no libtorch. A server
+    of its own: the shared one may have had a structured-outputs request, whose xgrammar imports torch."""
+    from tests.server.conftest import ENGINE_FLAGS, ServerProcess
+
+    server = ServerProcess(chat_model, *ENGINE_FLAGS)
+    try:
+        model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert response.status_code == 200, response.text
+        assert "libtorch" not in Path(f"/proc/{server.proc.pid}/maps").read_text()
+        core_pids = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+        assert any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in core_pids)  # the engine core's
+    finally:
+        assert server.stop() == 0
