@@ -5,19 +5,23 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanovllm.engine.spec_decode.config import SpeculativeConfig
 
+if TYPE_CHECKING:
+    import torch
+
+# torch's dtype of each name (as names: this module, and the server's front end that reads it for its flags,
+# import without torch; EngineConfig's checks and properties import it when they run)
 DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 # the KV cache also takes int8 on the CPU (a scale per token and KV head: platforms/cpu/cpu_ops.py) and fp8 e4m3
 # anywhere (a scale per layer: attention/kv_fp8.py), under vLLM's names
-KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {**DTYPES, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREFIX_CACHING_HASH_ALGOS = ("xxh64", "sha256")  # the keys of engine/block_manager.py's BLOCK_HASHES
 QUANTIZATIONS = (None, "fp8")
@@ -92,6 +96,8 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
+        import torch
+
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -163,6 +169,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             if self.is_cuda:
                 return torch.bfloat16
@@ -175,13 +183,15 @@ class EngineConfig:
                 return torch.float32  # activations; the weights in blocks (cpu_linear)
             from nanovllm.platforms.cpu.settings import default_cpu_dtype
             return default_cpu_dtype()
-        return DTYPES[self.dtype]
+        return getattr(torch, DTYPES[self.dtype])
 
     @property
     def cpu_linear(self) -> str:
         """How the CPU's linear layers multiply (platforms/cpu/settings.CPU_LINEAR_METHODS): int8 or fp16 where asked,
         the 4/8-bit blocks by default (dtype auto, NANOVLLM_CPU_DTYPE unset, kernels with SIMD), else the float
         weights (oneDNN-packed with NANOVLLM_CPU_PACK=1)."""
+        import torch
+
         if self.is_cuda:
             return "float"
         if self.torch_dtype == torch.float32:
@@ -195,8 +205,10 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.kv_cache_dtype != "auto":
-            return KV_CACHE_DTYPES[self.kv_cache_dtype]
+            return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
         if self.cpu_linear in ("int8", "blocks"):
             return torch.float16
         return self.torch_dtype

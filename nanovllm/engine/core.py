@@ -27,9 +27,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from nanovllm.engine.host_memory import HeapTrimmer
 from nanovllm.engine.input_processor import RequestLimits
 
 logger = logging.getLogger(__name__)
+
+# a step that prefilled this many tokens left working memory worth handing back (host_memory.py)
+TRIM_AFTER_PREFILL_TOKENS = 512
 
 
 @dataclass
@@ -66,24 +70,35 @@ class EngineCore:
         self.num_sent: dict[str, list[int]] = {}  # request id -> tokens sent of each sample
         self.rejected: list[SampleDelta] = []  # adds the engine refused, sent with the next message
         self.counters = self._read_counters()
+        self.heap = HeapTrimmer()
 
     def run(self) -> None:
         engine = self.engine
         outbox = _Outbox(self.conn)
+        self.heap.trim(busy=False)  # what loading the model freed
         try:
             while True:
                 changed = self._handle_commands(block=not engine.has_unfinished_requests())
                 if changed is None:
                     break
-                deltas = self._step() if engine.has_unfinished_requests() else []
+                stepped = engine.has_unfinished_requests()
+                deltas = self._step() if stepped else []
                 if deltas or changed or self.rejected:
                     deltas, self.rejected = self.rejected + deltas, []
                     outbox.put(("step", deltas, self._stats()))
+                if stepped:
+                    self._release_freed_memory()
             for request_id in list(self.num_sent):
                 engine.abort_request(request_id)
             outbox.put(("stopped", self._stats()))
         finally:
             outbox.close()
+
+    def _release_freed_memory(self) -> None:
+        """After a prefill (whose working memory glibc would keep) or once idle, hand the heap's free pages back."""
+        idle = not self.engine.has_unfinished_requests()
+        if idle or self.engine.last_step.prefill_tokens >= TRIM_AFTER_PREFILL_TOKENS:
+            self.heap.trim(busy=not idle)
 
     def _handle_commands(self, block: bool) -> bool | None:
         """Apply the commands that came (waiting for one if ``block``); whether any did; None once told to stop."""
@@ -220,15 +235,23 @@ def core_params(params):
 
 
 def run_engine_core(conn, engine_args: dict) -> None:
-    """Process target: build the engine, say ("ready", CoreInfo) or ("failed", why), then serve ``conn``."""
+    """Process target: say ("loading", what it loads), build the engine, say ("ready", CoreInfo) or ("failed",
+    why), then serve ``conn``. The front end never imports torch: the engine's arguments are checked here."""
     import os
     import sys
+    import warnings
 
     # Ctrl-C reaches the whole process group: the front end drains and then stops the core, not the signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine = None
     try:
         _bind_device(engine_args.get("device"))
+        from nanovllm.config import EngineConfig
+        from nanovllm.engine.summary import loading_line
+        with warnings.catch_warnings():  # the engine checks the same arguments again, and warns then
+            warnings.simplefilter("ignore")
+            known = {k: v for k, v in engine_args.items() if k in EngineConfig.field_names()}  # LLMEngine names
+            conn.send(("loading", loading_line(EngineConfig(**known))))  # the others, below
         from nanovllm.engine.llm_engine import LLMEngine
         engine = LLMEngine(**engine_args)
         if engine.config.device == "cpu" and engine.config.tensor_parallel_size == 1:

@@ -144,6 +144,9 @@ class AsyncEngineClient(EngineClient):
                     kind, payload = self._conn.recv()
                 except EOFError:
                     kind, payload = "failed", None
+                if kind == "loading":  # what the core loads, before the weights are read
+                    logger.info("%s", payload)
+                    continue
                 if kind == "ready":
                     return payload
                 self._proc.join(5)

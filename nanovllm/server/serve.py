@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import warnings
 
 from nanovllm.engine_args import add_engine_args, engine_kwargs
 from nanovllm.server.defaults import (  # noqa: F401 (API_KEY_ENV is part of this module's interface)
@@ -126,15 +125,9 @@ def run_server(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
 
-    from nanovllm.config import EngineConfig
-    from nanovllm.engine.summary import loading_line
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger(__name__)
-    with warnings.catch_warnings():  # the engine validates the same arguments again, and warns then
-        warnings.simplefilter("ignore")
-        log.info("%s", loading_line(EngineConfig(**engine_kwargs(args))))
-    app = build_app_from_args(args)
+    app = build_app_from_args(args)  # the engine core says what it loads (logged here) before it reads weights
     log.info("%s", app.state.server.llm.kv_cache_summary)
     log.info("serving %s on http://%s:%d", app.state.server.model_names, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

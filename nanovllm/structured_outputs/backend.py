@@ -6,10 +6,12 @@ import json
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanovllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch  # only the engine core's sampler fills bitmasks; the server's front end runs without torch
 
 # xgrammar 0.2's strings with a length bound take any character but quote, backslash, CR and LF: a control
 # character (U+0000..U+001F) could be sampled, and JSON forbids it raw. The grammar text gets JSON's class.

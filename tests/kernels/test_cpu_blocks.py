@@ -120,3 +120,52 @@ def test_every_simd_build_gives_the_same_numbers(tmp_path, monkeypatch, flags, s
                      None if blocks.m is None else blocks.m.data_ptr(), blocks.bits, passes, bias.data_ptr(),
                      y.data_ptr(), rows, in_features, out_features, 2)
             assert torch.equal(y, cpu_ops.linear_blocks(x, blocks, bias, passes=passes)), (kind, rows, passes)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_rows_dequantized_alone_are_the_whole_weights_rows(kind) -> None:
+    weight, _ = gguf_weight(kind, 64, 96 * 2, seed=3)
+    blocks = cpu_ops.block_weight(weight)
+    rows = torch.tensor([5, 0, 63, 17, 5, 31, 16, 15])  # across tiles, repeated, out of order
+    assert torch.equal(cpu_ops.dequantize_rows(blocks, rows), weight[rows])
+
+
+def tied_embedding_and_head(weight: torch.Tensor):
+    from torch import nn
+
+    from nanovllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from nanovllm.platforms.cpu.linear import linear_method, set_linear_method
+
+    model = nn.Module()
+    model.embed_tokens = VocabParallelEmbedding(*weight.shape)
+    model.lm_head = ParallelLMHead(*weight.shape)
+    model.embed_tokens.weight.data.copy_(weight)
+    model.lm_head.weight = model.embed_tokens.weight
+    set_linear_method(model.lm_head, linear_method(weight, "blocks"), release=False)  # as a tied head gets it
+    return model
+
+
+def test_a_tied_embedding_reads_its_heads_blocks_where_they_hold_it_exactly() -> None:
+    from nanovllm.platforms.cpu.layers import CpuBlockEmbedding, use_block_embedding
+
+    weight, _ = gguf_weight("Q8_0", 64, 96)  # a GGUF embedding: its 8-bit blocks are exact
+    model = tied_embedding_and_head(weight)
+    head_blocks = model.lm_head.linear_method.weight
+    hidden = torch.randn(3, 96)
+    logits = model.lm_head(hidden)
+    assert use_block_embedding(model) == 1
+    assert isinstance(model.embed_tokens, CpuBlockEmbedding) and model.embed_tokens.blocks is head_blocks
+    assert model.embed_tokens.weight.numel() == 0 and model.lm_head.weight.numel() == 0  # the float copy released
+    ids = torch.tensor([[3, 63, 0], [3, 17, 40]])
+    assert torch.equal(model.embed_tokens(ids), torch.nn.functional.embedding(ids, weight))
+    assert torch.equal(model.lm_head(hidden), logits)
+
+
+def test_an_embedding_its_blocks_round_keeps_its_float_weight() -> None:
+    from nanovllm.layers.embedding import VocabParallelEmbedding
+    from nanovllm.platforms.cpu.layers import use_block_embedding
+
+    torch.manual_seed(0)
+    model = tied_embedding_and_head(torch.randn(64, 96))  # float weights: the head's 8-bit blocks are rounded
+    assert use_block_embedding(model) == 0
+    assert type(model.embed_tokens) is VocabParallelEmbedding and model.embed_tokens.weight.shape == (64, 96)

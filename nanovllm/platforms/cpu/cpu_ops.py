@@ -419,6 +419,20 @@ def block_weight(weight: torch.Tensor, bits: int | None = None) -> BlockWeight |
     return BlockWeight(bits, tiles, by_tile(d), None if m is None else by_tile(m))
 
 
+def dequantize_rows(weight: BlockWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows (output channels, int64 [n]) of the float32 weight that dequantize_blocks gives, bit for bit (the same
+    float32 products): an embedding's lookup from the blocks its tied LM head multiplies by."""
+    tile, lane = rows // TILE, rows % TILE
+    d = weight.d[tile, :, lane].float().unsqueeze(-1)  # [n, in / 32, 1]
+    packed = weight.tiles[tile, :, lane, :]  # [n, in / 8 or in / 4, 4]
+    if weight.bits == 4:
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(rows.shape[0], -1, QUANT_BLOCK).float()
+        m = weight.m[tile, :, lane].float().unsqueeze(-1)
+        return (d * q + m).reshape(rows.shape[0], -1)
+    q = packed.view(torch.int8).reshape(rows.shape[0], -1, QUANT_BLOCK).float()
+    return (d * q).reshape(rows.shape[0], -1)
+
+
 def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
     """The float32 weight [out, in] a BlockWeight multiplies by (the reference of its layout)."""
     out_features, in_features = weight.shape

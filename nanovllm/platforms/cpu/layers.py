@@ -1,5 +1,6 @@
 """The CPU's own versions of the norm, activation and rotary layers, put in place of layers/' device-agnostic ones
-once a CPU model has loaded (``use_cpu_layers``), as its linear layers get their methods (linear.py).
+once a CPU model has loaded (``use_cpu_layers``), as its linear layers get their methods (linear.py); and a token
+embedding read from its tied LM head's weight blocks (``use_block_embedding``).
 
 Each small torch op costs microseconds on the CPU and a decode step runs ~60 norms, 30 activations and 30
 rotations, so these call the compiled ops (platforms/cpu/cpu_ops.py) where they can, and otherwise torch ops in fewer
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.embedding import VocabParallelEmbedding
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.platforms.cpu import cpu_ops
@@ -109,6 +111,61 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         out[..., :half].addcmul_(x[..., half:], signed_sin[..., :half])
         out[..., half:].addcmul_(x[..., :half], signed_sin[..., half:])
         return out
+
+
+class CpuBlockEmbedding(VocabParallelEmbedding):
+    """A token embedding read from the 4/8-bit blocks of its tied LM head (``use_block_embedding``), where they hold
+    its float weight exactly (GGUF's Q8_0 / Q4_x): the float copy (vocabulary x hidden float32, 113 MB for
+    SmolLM2-135M) is released, and each step dequantizes only its tokens' rows, to the same floats."""
+
+    def __init__(self, source: VocabParallelEmbedding, blocks: cpu_ops.BlockWeight):
+        nn.Module.__init__(self)
+        self.tp, self.tp_rank, self.tp_size = source.tp, source.tp_rank, source.tp_size
+        self.vocab_size, self.shard_size, self.num_valid = source.vocab_size, source.shard_size, source.num_valid
+        self.vocab_start = source.vocab_start
+        self.weight = source.weight  # emptied once every user reads the blocks
+        self.blocks = blocks
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = cpu_ops.dequantize_rows(self.blocks, input_ids.reshape(-1))
+        return rows.view(*input_ids.shape, rows.shape[-1])
+
+
+# rows of the weight compared per pass when checking that blocks hold it exactly (bounds the check's memory)
+EXACT_CHECK_ROWS = 4096
+
+
+def use_block_embedding(model: nn.Module) -> int:
+    """Put a CpuBlockEmbedding in place of each single-rank token embedding whose weight is shared with an LM head
+    that multiplies by 4/8-bit blocks holding that weight exactly, and release the float weight; returns how many
+    were replaced (0 for a float checkpoint, whose blocks are rounded, or an untied head)."""
+    from nanovllm.layers.embedding import ParallelLMHead
+    from nanovllm.platforms.cpu.linear import BlockLinear
+
+    heads = {id(m.weight): m for m in model.modules()
+             if isinstance(m, ParallelLMHead) and isinstance(m.linear_method, BlockLinear)}
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            head = heads.get(id(getattr(child, "weight", None)))
+            if (type(child) is not VocabParallelEmbedding or head is None or child.tp_size > 1
+                    or child.weight.dtype != torch.float32):
+                continue
+            blocks = head.linear_method.weight
+            if blocks.shape != tuple(child.weight.shape) or not _blocks_hold(blocks, child.weight):
+                continue
+            setattr(parent, name, CpuBlockEmbedding(child, blocks))
+            child.weight.data = child.weight.data.new_empty(0)  # the head's too (the same tensor): both read blocks
+            count += 1
+    return count
+
+
+def _blocks_hold(blocks: cpu_ops.BlockWeight, weight: torch.Tensor) -> bool:
+    for start in range(0, weight.shape[0], EXACT_CHECK_ROWS):
+        rows = torch.arange(start, min(start + EXACT_CHECK_ROWS, weight.shape[0]))
+        if not torch.equal(cpu_ops.dequantize_rows(blocks, rows), weight[start:start + rows.shape[0]]):
+            return False
+    return True
 
 
 # the general layer -> its CPU version (exact types: a family's own subclass keeps its forward)

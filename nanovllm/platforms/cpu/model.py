@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from nanovllm.models.decoder import DecoderLayer, DecoderMLP
-from nanovllm.platforms.cpu.layers import CpuRMSNorm, CpuSiluAndMul, use_cpu_layers
+from nanovllm.platforms.cpu.layers import CpuRMSNorm, CpuSiluAndMul, use_block_embedding, use_cpu_layers
 from nanovllm.platforms.cpu.linear import Int8Linear, use_linear_methods
 
 
@@ -16,6 +16,7 @@ def prepare_model(model: nn.Module, kind: str, int8_tiles: bool = False, block_p
     ``cpu.int8_tiles`` and ``cpu.block_passes``."""
     use_cpu_layers(model)
     use_linear_methods(model, kind, int8_tiles, block_passes)
+    use_block_embedding(model)
     if kind == "int8":
         plan_row_scales(model)
 
