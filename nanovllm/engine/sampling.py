@@ -260,46 +260,21 @@ class SamplingTensorCache:
         cached = self._cached
         if cached is None or cached.seq_ids != seq_ids:
             rows = [_static_row(s) for s in seqs]
+            tensors = build_sampling_tensors(seqs, vocab_size, device, seed_source)
             if None in rows:
                 self._cached = None
-                return build_sampling_tensors(seqs, vocab_size, device, seed_source)
-            cached = self._cached = _static_sampling(seqs, seq_ids, rows, device, seed_source)
+                return tensors
+            # kept without this step's seeds; a seeded row (never a greedy one) draws from its request's generator
+            seeded = {} if seed_source is None else {i: row_seed_source(seqs[i]) for i, row in enumerate(rows)
+                                                       if row[4]}
+            kept = copy(tensors)
+            kept.row_seeds = None
+            self._cached = _CachedSampling(seq_ids, kept, seeded)
+            return tensors
         tensors = copy(cached.tensors)
         if seed_source is not None and not tensors.all_greedy:
             tensors.row_seeds = _to_device(_draw_row_seeds(len(seqs), seed_source, cached.seeded), device)
         return tensors
-
-
-def _static_sampling(seqs: list[Sequence], seq_ids: list[int], rows: list[tuple], device: torch.device,
-                     seed_source: np.random.Generator | None) -> _CachedSampling:
-    """``build_sampling_tensors`` for rows whose settings are all static (``_static_row``), from those rows in a
-    few numpy operations; the same tensors, without the seeds of CUDA's per-step draw."""
-    table = np.array(rows, dtype=np.float64)  # [rows, 6]
-    sampled = table[:, 0] > 0
-    seeded: dict[int, np.random.Generator] = {}
-    generators: dict[int, torch.Generator] = {}
-    for i in np.flatnonzero(table[:, 4] > 0).tolist():  # seeded rows (never greedy ones)
-        if seed_source is not None:
-            seeded[i] = row_seed_source(seqs[i])
-        else:
-            generators[i] = request_generator(seqs[i], device)
-    if not sampled.any():
-        tensors = SamplingTensors(temperatures=torch.zeros(len(seqs), device=device), all_greedy=True)
-    else:
-        values = _to_device(np.ascontiguousarray(table[:, :4].T, dtype=np.float32), device)
-        tensors = SamplingTensors(temperatures=values[0], generators=generators)
-        if (table[sampled, 1] < 1.0).any():
-            tensors.top_p = values[1]
-        max_top_k = int(table[sampled, 2].max())
-        if max_top_k > 0:
-            tensors.top_k, tensors.max_top_k = values[2].long(), max_top_k
-        if (table[sampled, 3] > 0.0).any():
-            tensors.min_p = values[3]
-    with_logprobs = np.flatnonzero(table[:, 5] >= 0)
-    if len(with_logprobs):
-        tensors.logprob_rows = _to_device(with_logprobs.astype(np.int64), device)
-        tensors.num_logprobs = int(table[with_logprobs, 5].max())
-    return _CachedSampling(seq_ids, tensors, seeded)
 
 
 def token_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
