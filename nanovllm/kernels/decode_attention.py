@@ -18,7 +18,6 @@ Splits of one request::
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.jit import jit_unspecialized
+from nanovllm.kernels.jit import jit_unspecialized, num_sms
 
 LOG2E = math.log2(math.e)
 # A split shorter than this spends more on its prologue and on the reduction than it gains.
@@ -177,13 +176,6 @@ def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig(block_n=min(64, max(16, 16384 // row_bytes)), num_warps=4, num_stages=4)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter has no SMs; plan as for an H100/H200 so CPU tests see GPU-like splits
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
     """Enough (request, kv head, split) programs for many waves over the SMs, splits >= 256 keys.
 
@@ -203,7 +195,7 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int
     """(num_splits, tokens_per_split) that decode_attention launches with; tokens_per_split is a multiple
     of block_n, and num_splits may come out below the one asked for once rounded."""
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, _num_sms(device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms(device))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     max_seq_len = max(1, max_seq_len)
     tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n

@@ -10,16 +10,14 @@ shards (q/k/v, gate/up, tensor-parallel slices) are cut from it as from the weig
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.jit import INTERPRETED
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# the interpreter's dot takes no fp8 operands: it multiplies the same values upcast to float32
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 128  # output columns per program
 
 
@@ -90,10 +88,11 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    # UPCAST: the interpreter's dot takes no fp8 operands, so there it multiplies the same values in float32
     _block_fp8_gemm_kernel[grid](
         x_fp8, weight, y, x_scale, scales, m, n, k,
         x_fp8.stride(0), weight.stride(0), y.stride(0), x_scale.stride(0), scales.stride(0),
-        GROUP_K=block_k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=_INTERPRETED,
+        GROUP_K=block_k, BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=INTERPRETED,
         num_warps=4, num_stages=3,
     )
     if bias is not None:

@@ -16,16 +16,15 @@ of its columns and stores silu(gate) * up, so the activation never makes a round
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.jit import INTERPRETED, num_sms
+
 MAX_ROWS = 16  # tl.dot's smallest M; more rows go to the library GEMM
-# the interpreter's bfloat16 tl.dot returns garbage: there the tiles are multiplied in float32
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -122,20 +121,13 @@ class SkinnyConfig:
     num_stages: int = 3
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: plan as on an H100/H200
-
-
 def default_config(n: int, k: int, device: torch.device, gated: bool = False) -> SkinnyConfig:
     """Column blocks of 32, and K splits for about two programs per SM (one when gated: each reads two rows of
     W a column), each split >= one K tile (see docs/benchmarks.md for the sweep these come from)."""
     block_n, block_k = 32, 256 if gated else 128
     column_blocks = triton.cdiv(n, block_n)
     per_sm = 1 if gated else 2
-    split_k = max(1, min(round(per_sm * _num_sms(device) / column_blocks), k // block_k, 16))
+    split_k = max(1, min(round(per_sm * num_sms(device) / column_blocks), k // block_k, 16))
     return SkinnyConfig(block_n, block_k, split_k)
 
 
@@ -186,6 +178,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_gemm_kernel[(column_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partial, counters, m, n, k, x.stride(0), out.stride(0),
         k_per_split, HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
