@@ -247,7 +247,7 @@ def run_engine_core(conn, engine_args: dict) -> None:
     try:
         _bind_device(engine_args.get("device"))
         from nanovllm.config import EngineConfig
-        from nanovllm.engine.summary import loading_line
+        from nanovllm.engine.summary import kv_cache_line, loading_line
         with warnings.catch_warnings():  # the engine checks the same arguments again, and warns then
             warnings.simplefilter("ignore")
             known = {k: v for k, v in engine_args.items() if k in EngineConfig.field_names()}  # LLMEngine names
@@ -256,7 +256,6 @@ def run_engine_core(conn, engine_args: dict) -> None:
         engine = LLMEngine(**engine_args)
         if engine.config.device == "cpu" and engine.config.tensor_parallel_size == 1:
             _leave_a_core_to_the_front_end()
-        from nanovllm.engine.summary import kv_cache_line
         info = CoreInfo(engine.model_path, engine.tokenizer, engine.request_limits, engine.config.max_num_seqs,
                         sorted(engine.eos_token_ids), os.getpid(), kv_cache_line(engine))
     except BaseException as e:
