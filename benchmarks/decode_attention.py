@@ -25,7 +25,8 @@ PEAK_TBPS = 4.25  # H200 HBM3e
 TARGET_FRACTION = 0.75
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # (block_n, num_warps, num_stages) tried by --sweep besides the default
-SWEEP_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 3), (64, 8, 3), (32, 2, 2), (64, 4, 1)]
+SWEEP_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3), (128, 8, 4),
+                 (32, 4, 3), (64, 8, 3), (32, 2, 2), (64, 4, 1)]
 SWEEP_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
@@ -94,7 +95,7 @@ def main() -> int:
         fn()
         return (time.perf_counter() - start) * 1e3
 
-    default_config = default_decode_config(head_dim, dtype)
+    default_config = default_decode_config(head_dim, kv_dtype)
     results = []
     for block_size in args.block_sizes:
         blocks_per_seq = triton.cdiv(context, block_size)

@@ -6,9 +6,15 @@ and the script reports
 - graph ms: the decode graph of that batch replayed alone, back to back (device time of the forward);
 - head ms: LM head + sampler on B rows, alone (device time);
 - kernels: the kernels one graph replay launches, and the costliest by device time (torch.profiler).
-engine - (graph + head) is the host's share that the device waits for. JSON to --out.
+engine - (graph + head) is the host's share that the device waits for. JSON to --out. --host-profile runs
+the engine's steps of the largest batch once more under cProfile and prints where the host's time goes.
 
     python benchmarks/decode_step.py --batch-sizes 1 8 64 256 --context 512
+    python benchmarks/decode_step.py --batch-sizes 256 --host-profile 25
+    python benchmarks/decode_step.py --batch-sizes 256 --step-trace 20
+
+--step-trace runs them under torch.profiler instead: how much of the steps' wall time the device was busy, the
+kernels it ran (inside and outside the graph) and the CUDA calls the host made, each by total time.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(HERE, "model_configs", "qwen3-0.6b")
 
 
-def engine_ms_per_decode_step(llm: LLM, batch: int, context: int, steps: int, temperature: float) -> float:
-    """Median wall time of the engine's decode-only steps while `batch` requests decode together."""
+def engine_ms_per_decode_step(llm: LLM, batch: int, context: int, steps: int, temperature: float,
+                              profiler=None) -> float:
+    """Median wall time of the engine's decode-only steps while `batch` requests decode together; a given
+    profiler (cProfile) runs during the steps only."""
     random.seed(batch)
     top = min(10000, llm.hf_config.vocab_size - 1)
     prompts = [[random.randint(0, top) for _ in range(context)] for _ in range(batch)]
@@ -43,7 +51,11 @@ def engine_ms_per_decode_step(llm: LLM, batch: int, context: int, steps: int, te
     times = []
     while llm.has_unfinished_requests():
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         llm.step()
+        if profiler is not None:
+            profiler.disable()
         elapsed = time.perf_counter() - start
         last = llm.last_step
         if not last.prefill_tokens and last.decode_tokens == batch:
@@ -127,6 +139,62 @@ def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, args) -> di
     return parts
 
 
+def print_host_profile(llm: LLM, batch: int, args) -> None:
+    """The engine's steps of `batch` requests under cProfile: the costliest functions by their own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    ms = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature, profiler)
+    print(f"\nhost profile, batch {batch}, {args.steps} steps ({ms:.3f} ms/step under the profiler):")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.host_profile)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.host_profile)
+
+
+def print_step_trace(llm: LLM, batch: int, args) -> None:
+    """The engine's steps of `batch` requests under torch.profiler: device busy share, kernels, host CUDA calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    class Tracer:  # the profiler interface engine_ms_per_decode_step drives, around each step
+        def __init__(self):
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.started = False
+
+        def enable(self):
+            if not self.started:
+                self.prof.__enter__()
+                self.started = True
+
+        def disable(self):
+            pass
+
+    tracer = Tracer()
+    ms = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature, tracer)
+    torch.cuda.synchronize()
+    tracer.prof.__exit__(None, None, None)
+    device = [e for e in tracer.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in device)
+    busy, reach = 0.0, float("-inf")
+    for start, end in intervals:  # the union of kernel intervals
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    wall = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    print(f"\nstep trace, batch {batch}, {args.steps} steps ({ms:.3f} ms/step median under the profiler): device "
+          f"busy {busy / 1e3:.1f} of {wall / 1e3:.1f} ms ({busy / max(wall, 1):.0%})")
+    for title, events in (("device kernels", device),
+                          ("host CUDA calls", [e for e in tracer.prof.events()
+                                               if e.device_type == torch.autograd.DeviceType.CPU
+                                               and e.name.startswith("cuda")])):
+        totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        for e in events:
+            totals[e.name][0] += 1
+            totals[e.name][1] += e.time_range.end - e.time_range.start
+        print(f"{title}:")
+        for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:args.step_trace]:
+            print(f"  {us / 1e3:>9.2f} ms {calls:>6} x  {name[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -137,6 +205,11 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--top-kernels", type=int, default=12)
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="profile the largest batch's steps with cProfile and print the N costliest functions")
+    parser.add_argument("--step-trace", type=int, default=0, metavar="N",
+                        help="trace the largest batch's steps with torch.profiler and print the N costliest "
+                             "device kernels and host CUDA calls")
     parser.add_argument("--out", default="results/decode_step.json")
     args, engine_args = parser.parse_known_args()
     extra = {}
@@ -167,6 +240,10 @@ def main() -> None:
             if part in r:
                 print(f"\nbatch {r['batch']}, {part[:-4]}: " + "".join(
                     f"\n  {k['us']:>9.1f} us {k['calls']:>4} x  {k['kernel']}" for k in r[part]))
+    if args.host_profile:
+        print_host_profile(llm, max(args.batch_sizes), args)
+    if args.step_trace and torch.cuda.is_available():
+        print_step_trace(llm, max(args.batch_sizes), args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -15,7 +15,7 @@ from nanovllm.attention.reference import (  # noqa: E402
     prefill_attention_ref,
     store_kvcache_ref,
 )
-from nanovllm.kernels.decode_attention import decode_attention  # noqa: E402
+from nanovllm.kernels.decode_attention import decode_attention, default_decode_config  # noqa: E402
 from nanovllm.kernels.prefill_attention import prefill_attention  # noqa: E402
 from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
 from nanovllm.kernels.store_kvcache import store_kvcache  # noqa: E402
@@ -74,7 +74,8 @@ def test_rope_store_gives_the_torch_formats_bytes() -> None:
     assert torch.equal(fp8[1].view(torch.uint8), to_cache(exact[1], FP8_DTYPE, V_SCALE).view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+# 16-bit queries multiply in float16 over an fp8 cache, which the interpreter's tl.dot does right too
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(4, 2, 64, 16), (8, 1, 128, 32)])
 def test_decode_reads_an_fp8_cache(paged_batch, dtype, num_splits, num_heads, num_kv_heads, head_dim,
@@ -101,6 +102,12 @@ def test_prefill_reads_an_fp8_cache(paged_batch, dtype, num_heads, num_kv_heads,
                                 batch.seq_lens, 0.125, K_SCALE, V_SCALE)
     assert out.dtype == dtype and ref.abs().max() > 10 * V_SCALE
     torch.testing.assert_close(out, ref, **FP8_READ_TOLERANCE[dtype])
+
+
+def test_an_fp8_cache_takes_tiles_of_twice_the_keys() -> None:
+    """Its rows are half as long: the same bytes a tile as a 16-bit cache's 64 keys."""
+    assert default_decode_config(128, FP8_DTYPE).block_n == 128
+    assert default_decode_config(128, torch.bfloat16).block_n == 64
 
 
 def test_scales_on_a_16_bit_cache_are_refused(paged_batch) -> None:
