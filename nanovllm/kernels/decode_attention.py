@@ -25,7 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.jit import jit_unspecialized, num_sms
+from nanovllm.kernels.jit import (
+    jit_unspecialized,
+    launch_options,
+    num_sms,
+    overlaps_launches,
+    wait_for_prior_kernel,
+)
 
 LOG2E = math.log2(math.e)
 # A split shorter than this spends more on its prologue and on the reduction than it gains.
@@ -64,7 +70,9 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,       # the cache is e4m3: tiles are upcast to COMPUTE as they load
     COMPUTE: tl.constexpr,      # the dtype of the products: q's, or float16 over an fp8 cache of 16-bit q
+    OVERLAP: tl.constexpr,      # launched overlapped with the kernel before (kernels/jit.py)
 ):
+    wait_for_prior_kernel(OVERLAP)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,7 +144,9 @@ def _decode_reduce_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,  # next power of two >= num_splits
+    OVERLAP: tl.constexpr,
 ):
+    wait_for_prior_kernel(OVERLAP)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_SPLITS)
@@ -261,6 +271,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                                            config.block_n) * config.block_n
 
     group = num_heads // num_kv_heads
+    overlap = overlaps_launches(q.device)
     if num_splits == 1:
         partial_max = partial_sum = partial_acc = out  # unused by the WRITE_OUT variant
     else:
@@ -276,12 +287,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_HEADS=num_heads, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, WRITE_OUT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        COMPUTE=_compute_dtype(q.dtype, kv_fp8), num_warps=config.num_warps, num_stages=config.num_stages,
+        COMPUTE=_compute_dtype(q.dtype, kv_fp8), OVERLAP=overlap, num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_options(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial_max, partial_sum, partial_acc, out, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            OVERLAP=overlap, num_warps=4, **launch_options(q.device),
         )
     return out

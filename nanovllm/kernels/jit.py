@@ -1,5 +1,6 @@
 """What the kernels' launchers share: triton.jit for kernels whose small index arguments change from step to step,
-whether the interpreter runs them, and how many SMs a launch plans for.
+whether the interpreter runs them, how many SMs a launch plans for, and overlapped (programmatic dependent)
+launches.
 
 Triton compiles a variant of a kernel per "specialization" of its arguments: an integer equal to 1 or divisible
 by 16, a pointer aligned to 16 bytes. A step's block tables and sequence lengths are slices of one packed
@@ -16,6 +17,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 # under the CPU interpreter some kernels multiply their 16-bit tiles in float32 (its bfloat16 tl.dot is wrong)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -34,3 +36,28 @@ def jit_unspecialized(*names: str):
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
         kwargs["do_not_specialize_on_alignment"] = names
     return triton.jit(**kwargs)
+
+
+@functools.cache
+def overlaps_launches(device: torch.device) -> bool:
+    """Whether kernels on this device launch with programmatic dependent launch (Hopper and later): each one
+    is scheduled while the kernel before it still runs and waits on the device (``wait_for_prior_kernel``) rather
+    than behind the launch's own latency. Inside a CUDA graph the wait is a graph edge."""
+    if INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    return hasattr(triton.language.extra, "cuda") and hasattr(triton.language.extra.cuda, "gdc_wait")
+
+
+def launch_options(device: torch.device) -> dict:
+    """Launch keywords for a kernel that calls ``wait_for_prior_kernel`` first (with ``OVERLAP`` set from this)."""
+    return {"launch_pdl": True} if overlaps_launches(device) else {}
+
+
+@triton.jit
+def wait_for_prior_kernel(OVERLAP: tl.constexpr):
+    """First thing a kernel launched with ``launch_options`` does: wait until the kernel before it in the stream
+    has finished and its writes are visible (every load and store comes after this), then let the next kernel
+    be scheduled. No-op when OVERLAP is off."""
+    if OVERLAP:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

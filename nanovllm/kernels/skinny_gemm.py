@@ -22,7 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.jit import INTERPRETED, num_sms
+from nanovllm.kernels.jit import (
+    INTERPRETED,
+    launch_options,
+    num_sms,
+    overlaps_launches,
+    wait_for_prior_kernel,
+)
 
 MAX_ROWS = 16  # tl.dot's smallest M; more rows go to the library GEMM
 
@@ -45,7 +51,9 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):
+    wait_for_prior_kernel(OVERLAP)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -178,7 +186,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_gemm_kernel[(column_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partial, counters, m, n, k, x.stride(0), out.stride(0),
         k_per_split, HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED, OVERLAP=overlaps_launches(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device),
     )
     return out
