@@ -3,10 +3,12 @@
 For each batch size B: B random prompts of --context tokens decode together (greedy or sampled, EOS ignored),
 and the script reports
 - engine ms/step: wall time of the engine's decode-only steps (host planning + device, as a user sees them);
-- graph ms: the decode graph of that batch replayed alone, back to back (device time of the forward);
+- in-engine graph ms: the device time of the decode graph inside those steps (CUDA events around each replay);
+- graph ms: the decode graph of that batch replayed alone, back to back, at --context keys and without K/V
+  stores (at 256 requests this has read faster than the same graph inside the engine: compare the two);
 - head ms: LM head + sampler on B rows, alone (device time);
 - kernels: the kernels one graph replay launches, and the costliest by device time (torch.profiler).
-engine - (graph + head) is the host's share that the device waits for. JSON to --out. --host-profile runs
+engine - (in-engine graph + head) is what the device waits for the host. JSON to --out. --host-profile runs
 the engine's steps of the largest batch once more under cProfile and prints where the host's time goes.
 
     python benchmarks/decode_step.py --batch-sizes 1 8 64 256 --context 512
@@ -39,29 +41,56 @@ DEFAULT_MODEL = os.path.join(HERE, "model_configs", "qwen3-0.6b")
 
 
 def engine_ms_per_decode_step(llm: LLM, batch: int, context: int, steps: int, temperature: float,
-                              profiler=None) -> float:
-    """Median wall time of the engine's decode-only steps while `batch` requests decode together; a given
-    profiler (cProfile) runs during the steps only."""
+                              profiler=None) -> tuple[float, float]:
+    """(median wall time of the engine's decode-only steps while `batch` requests decode together, median
+    device time of the decode graph's replays in them, nan without graphs); a given profiler (cProfile) runs
+    during the steps only."""
     random.seed(batch)
     top = min(10000, llm.hf_config.vocab_size - 1)
     prompts = [[random.randint(0, top) for _ in range(context)] for _ in range(batch)]
     params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=steps)
     for prompt in prompts:
         llm.add_request(prompt, params)
+    runner = getattr(llm.runner, "runner", llm.runner)
+    graphs = runner.graphs if torch.cuda.is_available() else None
+    replays: list[tuple] = []
+    if graphs is not None:
+        replay = graphs.replay
+
+        def timed_replay(step):  # events on the stream around each replay of the engine's own steps
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            hidden = replay(step)
+            end.record()
+            replays.append((step.input_ids.shape[0], start, end))
+            return hidden
+
+        graphs.replay = timed_replay
     times = []
-    while llm.has_unfinished_requests():
-        start = time.perf_counter()
-        if profiler is not None:
-            profiler.enable()
-        llm.step()
-        if profiler is not None:
-            profiler.disable()
-        elapsed = time.perf_counter() - start
-        last = llm.last_step
-        if not last.prefill_tokens and last.decode_tokens == batch:
-            times.append(elapsed)
-    times.sort()
-    return 1e3 * times[len(times) // 2] if times else float("nan")
+    try:
+        while llm.has_unfinished_requests():
+            start = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
+            llm.step()
+            if profiler is not None:
+                profiler.disable()
+            elapsed = time.perf_counter() - start
+            last = llm.last_step
+            if not last.prefill_tokens and last.decode_tokens == batch:
+                times.append(elapsed)
+    finally:
+        if graphs is not None:
+            del graphs.replay  # the class's method again
+    if graphs is not None:
+        torch.cuda.synchronize()
+    graph_times = sorted(start.elapsed_time(end) for rows, start, end in replays if rows == batch)
+    return 1e3 * _median(times), _median(graph_times)
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
 
 
 def time_on_device(fn, repeats: int) -> float:
@@ -98,7 +127,7 @@ def kernel_table(fn, top: int) -> tuple[int, list[dict]]:
     return count, [{"kernel": name[:90], "calls": n, "us": round(us, 1)} for name, (n, us) in rows]
 
 
-def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, args) -> dict:
+def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, engine_graph_ms: float, args) -> dict:
     """The decode graph of `batch` rows, the LM head + sampler, and the eager forward, each alone on the device."""
     from nanovllm.layers.sampler import SamplingTensors
 
@@ -119,7 +148,7 @@ def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, args) -> di
 
     parts["graph_ms"] = round(time_on_device(graph.replay, args.repeats), 3)
     parts["head_ms"] = round(time_on_device(head, args.repeats), 3)
-    parts["host_exposed_ms"] = round(engine_ms - parts["graph_ms"] - parts["head_ms"], 3)
+    parts["host_exposed_ms"] = round(engine_ms - engine_graph_ms - parts["head_ms"], 3)
     parts["graph_kernels"], parts["graph_top"] = kernel_table(graph.replay, args.top_kernels)
     parts["head_kernels"], parts["head_top"] = kernel_table(head, args.top_kernels)
     # the forward without the graph, eager, to see launch overhead
@@ -145,7 +174,7 @@ def print_host_profile(llm: LLM, batch: int, args) -> None:
     import pstats
 
     profiler = cProfile.Profile()
-    ms = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature, profiler)
+    ms, _ = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature, profiler)
     print(f"\nhost profile, batch {batch}, {args.steps} steps ({ms:.3f} ms/step under the profiler):")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(args.host_profile)
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.host_profile)
@@ -169,7 +198,7 @@ def print_step_trace(llm: LLM, batch: int, args) -> None:
             pass
 
     tracer = Tracer()
-    ms = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature, tracer)
+    ms, _ = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature, tracer)
     torch.cuda.synchronize()
     tracer.prof.__exit__(None, None, None)
     device = [e for e in tracer.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -223,16 +252,19 @@ def main() -> None:
     graphs = runner.graphs
     results = []
     for batch in args.batch_sizes:
-        engine_ms = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature)
-        row = dict(batch=batch, context=args.context, engine_ms=round(engine_ms, 3))
+        engine_ms, engine_graph_ms = engine_ms_per_decode_step(llm, batch, args.context, args.steps,
+                                                               args.temperature)
+        row = dict(batch=batch, context=args.context, engine_ms=round(engine_ms, 3),
+                   engine_graph_ms=round(engine_graph_ms, 3))
         if graphs is not None and torch.cuda.is_available():
-            row.update(device_breakdown(llm, runner, batch, engine_ms, args))
+            row.update(device_breakdown(llm, runner, batch, engine_ms, engine_graph_ms, args))
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_top")}), flush=True)
 
-    print(f"\n{'batch':>6}{'engine ms':>11}{'graph ms':>10}{'head ms':>9}{'host ms':>9}{'eager ms':>10}{'kernels':>9}")
+    print(f"\n{'batch':>6}{'engine ms':>11}{'in-engine graph ms':>20}{'graph ms':>10}{'head ms':>9}{'host ms':>9}"
+          f"{'eager ms':>10}{'kernels':>9}")
     for r in results:
-        print(f"{r['batch']:>6}{r['engine_ms']:>11.3f}{r.get('graph_ms', float('nan')):>10.3f}"
+        print(f"{r['batch']:>6}{r['engine_ms']:>11.3f}{r['engine_graph_ms']:>20.3f}{r.get('graph_ms', float('nan')):>10.3f}"
               f"{r.get('head_ms', float('nan')):>9.3f}{r.get('host_exposed_ms', float('nan')):>9.3f}"
               f"{r.get('eager_ms', float('nan')):>10.3f}{r.get('graph_kernels', 0):>9}")
     for r in results:
