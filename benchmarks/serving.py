@@ -499,6 +499,7 @@ def summarize(args, model: str, results: list[RequestResult], duration: float, r
         "prompt_token_range": list(args.random_token_range) if random_ids else None,
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "chunks_with_tokens": sum(len(r.itl) + 1 for r in ok),  # fewer than tokens: chunks carried several
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         **_stats("ttft", [r.ttft for r in ok], percentiles),
@@ -514,6 +515,7 @@ def print_table(s: dict, percentiles: list[str]) -> None:
     rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
             ("Benchmark duration (s)", f"{s['duration']:.2f}"), ("Total input tokens", s["total_input_tokens"]),
             ("Total generated tokens", s["total_output_tokens"]),
+            ("Streamed chunks with tokens", s.get("chunks_with_tokens", "-")),
             ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]

@@ -186,3 +186,21 @@ def test_token_ids_of_several_prompts_and_samples(bare):
             streamed[c["index"]][1].extend(c["token_ids"])
     assert streamed == expected
     assert [expected[i][0] for i in range(4)] == [PROMPT, PROMPT, PROMPT[:5], PROMPT[:5]]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize("text", ["", "plain", 'quote " and \\ backslash', "é ü 中 \n\t", "\u2028"])
+def test_the_chunk_template_writes_the_same_json_as_the_chunk_dict(include_usage, return_token_ids, text):
+    from nanovllm.server.app import _ChunkTemplate, _event
+    template = _ChunkTemplate("cmpl-\"x\"", "text_completion", 1790000000, "models/é", include_usage,
+                              return_token_ids)
+    envelope = {"id": "cmpl-\"x\"", "object": "text_completion", "created": 1790000000, "model": "models/é"}
+    tail = {"usage": None} if include_usage else {}
+    ids = {"token_ids": [5, 17]} if return_token_ids else {}
+    common = {"logprobs": None, "finish_reason": None, "stop_reason": None, **ids}
+    expected = _event({**envelope, "choices": [{"index": 3, "text": text, **common}], **tail})
+    assert template.completion(3, text, [5, 17]) == expected
+    delta = {"content": text}
+    expected = _event({**envelope, "choices": [{"index": 1, "delta": delta, **common}], **tail})
+    assert template.chat(1, delta, [5, 17]) == expected
