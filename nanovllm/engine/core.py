@@ -15,6 +15,9 @@ The core never builds text: the front end detokenizes, checks stop strings, and 
 sample's text reached one, which frees its blocks before the next step. A request's SamplingParams travel as
 they are (plain data, pickled); the core gets a copy without stop strings. A fault of the whole step (the model,
 the scheduler) ends the process after a ("dead", why) message; the front end notices the pipe closing in any case.
+
+With ``--api-server-count N`` the core has one such pipe per front end (``EngineCore``'s docstring says how outputs
+and stats are shared out); see server/front_ends.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ The engine runs in a process of its own (``nanovllm.engine.core``); this process
 detokenizes. SIGTERM (or SIGINT) drains: new requests are refused at once (503, and /health says 503), requests
 in flight run to their end for up to --timeout-graceful-shutdown seconds, then the engine stops and the process
 exits 0. If the engine process dies, open streams end with an error event, /health and new requests get 503, and
-the server exits with status 1 within seconds.
+the server exits with status 1 within seconds. ``--api-server-count N`` runs N such front ends on the port in front
+of one engine process (server/front_ends.py).
 """
 
 from __future__ import annotations
