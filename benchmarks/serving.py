@@ -34,6 +34,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shlex
 import socket
 import statistics
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the median (default: 99)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--client", choices=["raw", "httpx"], default=None,
+                        help="how streams are read: raw (asyncio + httptools, the lean one) or httpx (default: raw "
+                             "for an http:// server when httptools is installed)")
     parser.add_argument("--result-file", default=None, help="write the results here as JSON")
     parser.add_argument("--request-rates", default=None,
                         help="comma-separated Poisson rates to sweep, one run each (instead of --request-rate)")
@@ -108,8 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cpu_proxy:
         args.launch = args.launch or write_cpu_proxy()
         args.server_args = f"--load-format dummy {args.server_args}"
+        if "--num-kvcache-blocks" not in args.server_args:  # the default pool (16,384 tokens) would preempt
+            per_request = int((args.input_len + args.output_len) * (1 + args.random_range_ratio)) + 16
+            args.server_args += f" --num-kvcache-blocks {args.num_prompts * (per_request // 16 + 1)}"
         if args.random_token_range == [100, 10000]:
             args.random_token_range = [100, 2000]
+    if args.client is None:
+        args.client = "raw" if args.base_url.startswith("http://") and _have_httptools() else "httpx"
     if args.offline and not args.launch:
         parser.error("--offline needs --launch (the engine flags of the server)")
     if not 0 <= args.random_range_ratio < 1:
@@ -119,6 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.random_token_range[0] < args.random_token_range[1]:
         parser.error("--random-token-range needs 0 <= LOW < HIGH")
     return args
+
+
+def _have_httptools() -> bool:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
@@ -160,60 +177,170 @@ def payload(args, model: str, prompt, output_len: int) -> tuple[str, dict]:
     return "/v1/completions", {**body, "prompt": prompt}
 
 
+_ERROR = re.compile(rb'\{\s*"error"\s*:')
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')  # not "prompt_token_ids": its quote comes first
+
+
+class StreamReader:
+    """Reads one SSE stream's events as they come, cheaply: the benchmark's client shares the machine with the
+    server, so it parses no JSON per chunk. Tokens are counted from each choice's ``"token_ids":[...]`` (a JSON
+    list of ints: its commas plus one), exactly, however many tokens a chunk carries; only an error event, the
+    usage chunk and a server that sends no token_ids are parsed as JSON."""
+
+    def __init__(self, result: RequestResult, start: float):
+        self.result = result
+        self.start = self.last = start
+        self.tokens = 0  # streamed so far
+        self.with_ids = False  # whether the server sends token_ids
+        self.done = False  # [DONE] came, or an error event
+        self.pending = b""
+
+    def feed(self, data: bytes) -> None:
+        """Take in bytes of the body as they arrive."""
+        events = (self.pending + data).split(b"\n\n")
+        self.pending = events.pop()
+        now = None
+        for event in events:
+            if self.done or not event.startswith(b"data: "):
+                continue
+            payload = event[6:]
+            if payload == b"[DONE]":
+                self.result.ok = self.done = True
+                continue
+            new = self._count(payload)
+            if new:
+                now = now or time.perf_counter()
+                if self.tokens == 0:
+                    self.result.ttft = now - self.start
+                else:
+                    self.result.itl.append(now - self.last)
+                self.last = now
+                self.tokens += new
+
+    def _count(self, payload: bytes) -> int:
+        if _ERROR.match(payload):
+            error = json.loads(payload)["error"]
+            self.result.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            self.done = True
+            return 0
+        if _USAGE.search(payload):  # (a text's own quotes are escaped, so it cannot look like this)
+            usage = json.loads(payload)["usage"]
+            self.result.output_len, self.result.prompt_len = usage["completion_tokens"], usage["prompt_tokens"]
+        new = 0
+        for ids in _TOKEN_IDS.findall(payload):  # every choice of the chunk
+            self.with_ids = True
+            new += ids.count(b",") + 1 if ids.strip() else 0
+        if not self.with_ids:  # a server without return_token_ids: one token per chunk with text
+            for choice in json.loads(payload).get("choices", []):
+                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                new += 1 if text else 0
+        return new
+
+    def finish(self) -> RequestResult:
+        result = self.result
+        result.latency = time.perf_counter() - self.start
+        if result.error:
+            result.ok = False
+        elif not result.ok:
+            result.error = "the stream ended without [DONE]"
+        elif self.tokens == 0:
+            result.ok = False
+            result.error = "no streamed chunk carried a token: TTFT and ITL cannot be measured"
+        elif not result.output_len:
+            result.output_len = self.tokens  # a server without usage
+        elif self.with_ids and self.tokens != result.output_len:
+            result.ok = False
+            result.error = f"the stream carried {self.tokens} token ids, but usage says {result.output_len} tokens"
+        return result
+
+
 async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int) -> RequestResult:
+    """One streamed request; through RawClient when ``client`` is one, else httpx."""
+    if isinstance(client, RawClient):
+        return await client.send(path, body, prompt_len)
     result = RequestResult(prompt_len=prompt_len)
-    start = last = time.perf_counter()
-    tokens = 0  # streamed so far
-    with_ids = False  # whether the server sends token_ids
+    reader = StreamReader(result, time.perf_counter())
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    result.ok = True
+            async for data in response.aiter_raw():
+                reader.feed(data)
+                if reader.done:
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", str(chunk["error"]))
-                    return result
-                if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
-                    result.prompt_len = chunk["usage"]["prompt_tokens"]
-                for choice in chunk.get("choices", []):
-                    if "token_ids" in choice:
-                        with_ids = True
-                        new = len(choice["token_ids"])
-                    else:  # a server without return_token_ids: one token per chunk with text
-                        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                        new = 1 if text else 0
-                    if new:
-                        now = time.perf_counter()
-                        if tokens == 0:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                        tokens += new
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
-    result.latency = time.perf_counter() - start
-    if not result.ok:
-        result.error = "the stream ended without [DONE]"
-    elif tokens == 0:
-        result.ok = False
-        result.error = "no streamed chunk carried a token: TTFT and ITL cannot be measured"
-    elif not result.output_len:
-        result.output_len = tokens  # a server without usage
-    elif with_ids and tokens != result.output_len:
-        result.ok = False
-        result.error = f"the stream carried {tokens} token ids, but usage says {result.output_len} tokens"
-    return result
+    return reader.finish()
+
+
+class RawClient:
+    """Streamed POSTs over plain asyncio connections, the response parsed by httptools (C): several times less
+    CPU per chunk than httpx (measured in docs/benchmarks.md), which matters when the client shares the server's
+    cores. One connection per request (``Connection: close``); http:// only."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], timeout: float):
+        import httptools  # the server's own HTTP parser (the serve extra)
+        self.httptools = httptools
+        url = httpx.URL(base_url)
+        self.host, self.port = url.host, url.port or 80
+        self.prefix = url.raw_path.decode().rstrip("/")
+        self.headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.timeout = timeout
+
+    async def send(self, path: str, body: dict, prompt_len: int) -> RequestResult:
+        result = RequestResult(prompt_len=prompt_len)
+        data = json.dumps(body).encode()
+        head = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: "
+                f"application/json\r\nAccept: text/event-stream\r\nConnection: close\r\n{self.headers}"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        reader = StreamReader(result, time.perf_counter())
+        parsed = _ParsedResponse(reader)
+        parser = parsed.parser = self.httptools.HttpResponseParser(parsed)
+        try:
+            async with asyncio.timeout(self.timeout):
+                stream_in, stream_out = await asyncio.open_connection(self.host, self.port)
+                try:
+                    stream_out.write(head + data)
+                    while not parsed.complete and not reader.done:
+                        chunk = await stream_in.read(1 << 16)
+                        if not chunk:
+                            break
+                        parser.feed_data(chunk)
+                finally:
+                    stream_out.close()
+        except (OSError, TimeoutError, self.httptools.HttpParserError, json.JSONDecodeError, ValueError) as e:
+            result.error = f"{type(e).__name__}: {e}"
+            return result
+        if parsed.status != 200:
+            result.error = f"HTTP {parsed.status}: {bytes(parsed.error_body).decode(errors='replace')[:200]}"
+            return result
+        return reader.finish()
+
+
+class _ParsedResponse:
+    """httptools' callbacks: the body goes to the StreamReader once the status says 200."""
+
+    def __init__(self, reader: StreamReader):
+        self.reader = reader
+        self.parser = None  # the HttpResponseParser these callbacks belong to
+        self.status: int | None = None
+        self.complete = False
+        self.error_body = bytearray()
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if self.status == 200:
+            self.reader.feed(body)
+        else:
+            self.error_body += body
+
+    def on_message_complete(self) -> None:
+        self.complete = True
 
 
 def write_cpu_proxy() -> str:
@@ -318,7 +445,8 @@ async def run(args) -> dict:
 
         # one request first: a server that cannot answer fails fast, not num_prompts times
         path, body = payload(args, model, prompts[0][0], min(prompts[0][2], 4))
-        probe = await send(client, path, body, prompts[0][1])
+        streamer = RawClient(args.base_url, headers, args.timeout) if args.client == "raw" else client
+        probe = await send(streamer, path, body, prompts[0][1])
         if not probe.ok:
             raise RuntimeError(f"the test request failed: {probe.error}")
 
@@ -327,12 +455,12 @@ async def run(args) -> dict:
         async def one(prompt, prompt_len: int, output_len: int) -> RequestResult:
             path, body = payload(args, model, prompt, output_len)
             if semaphore is None:
-                return await send(client, path, body, prompt_len)
+                return await send(streamer, path, body, prompt_len)
             async with semaphore:
-                return await send(client, path, body, prompt_len)
+                return await send(streamer, path, body, prompt_len)
 
         args.prompts = prompts  # for --offline
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         tasks = []
         for prompt, prompt_len, output_len in prompts:
             tasks.append(asyncio.ensure_future(one(prompt, prompt_len, output_len)))
@@ -340,7 +468,10 @@ async def run(args) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(args, model, results, duration, random_ids=pool is None)
+        client_cpu = time.process_time() - cpu_start
+    summary = summarize(args, model, results, duration, random_ids=pool is None)
+    summary.update(client=args.client, client_cpu_per_s=client_cpu / duration)  # this process's share of the cores
+    return summary
 
 
 def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
@@ -368,6 +499,7 @@ def summarize(args, model: str, results: list[RequestResult], duration: float, r
         "prompt_token_range": list(args.random_token_range) if random_ids else None,
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "chunks_with_tokens": sum(len(r.itl) + 1 for r in ok),  # fewer than tokens: chunks carried several
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         **_stats("ttft", [r.ttft for r in ok], percentiles),
@@ -383,6 +515,7 @@ def print_table(s: dict, percentiles: list[str]) -> None:
     rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
             ("Benchmark duration (s)", f"{s['duration']:.2f}"), ("Total input tokens", s["total_input_tokens"]),
             ("Total generated tokens", s["total_output_tokens"]),
+            ("Streamed chunks with tokens", s.get("chunks_with_tokens", "-")),
             ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
@@ -446,8 +579,9 @@ def run_all(args) -> dict:
                 result[f"{name}_cpu_per_s"] = (after[name] - before[name]) / result["duration"]
             print_table(result, _percentiles(args))
             if "front_end_cpu_per_s" in result:
-                print(f"server CPU per second of the run: front end {result['front_end_cpu_per_s']:.2f}, "
-                      f"engine core and other children {result.get('children_cpu_per_s', 0):.2f}")
+                print(f"CPU per second of the run: front end {result['front_end_cpu_per_s']:.2f}, engine core and "
+                      f"other children {result.get('children_cpu_per_s', 0):.2f}, this client "
+                      f"({result['client']}) {result['client_cpu_per_s']:.2f}")
     finally:
         if server is not None:
             server.stop()

@@ -15,12 +15,16 @@ The core never builds text: the front end detokenizes, checks stop strings, and 
 sample's text reached one, which frees its blocks before the next step. A request's SamplingParams travel as
 they are (plain data, pickled); the core gets a copy without stop strings. A fault of the whole step (the model,
 the scheduler) ends the process after a ("dead", why) message; the front end notices the pipe closing in any case.
+
+With ``--api-server-count N`` the core has one such pipe per front end (``EngineCore``'s docstring says how outputs
+and stats are shared out); see server/front_ends.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import queue
 import signal
 import threading
@@ -62,19 +66,25 @@ CoreStats = tuple
 
 
 class EngineCore:
-    """Runs an engine for one front end over ``conn`` (a multiprocessing Connection) until told to stop."""
+    """Runs an engine for its front ends until each has said stop: ``conns`` is one multiprocessing Connection, or
+    a list of them (``--api-server-count``). A request's outputs go to the front end that added it; every front end
+    hears the scheduler's state, and its counters go to the first front end still connected, which hears of every
+    step (so the front ends' metrics add up across processes)."""
 
-    def __init__(self, engine, conn):
+    def __init__(self, engine, conns):
         self.engine = engine
-        self.conn = conn
+        self.conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+        self.live = list(range(len(self.conns)))  # front ends that have neither stopped nor gone
         self.num_sent: dict[str, list[int]] = {}  # request id -> tokens sent of each sample
-        self.rejected: list[SampleDelta] = []  # adds the engine refused, sent with the next message
+        self.owner: dict[str, int] = {}  # request id -> the front end that added it
+        self.rejected: list[list[SampleDelta]] = [[] for _ in self.conns]  # refused adds, sent with the next message
         self.counters = self._read_counters()
         self.heap = HeapTrimmer()
+        self.outboxes: list[_Outbox] = []
 
     def run(self) -> None:
         engine = self.engine
-        outbox = _Outbox(self.conn)
+        self.outboxes = [_Outbox(conn) for conn in self.conns]
         self.heap.trim(busy=False)  # what loading the model freed
         try:
             while True:
@@ -82,17 +92,23 @@ class EngineCore:
                 if changed is None:
                     break
                 stepped = engine.has_unfinished_requests()
-                deltas = self._step() if stepped else []
-                if deltas or changed or self.rejected:
-                    deltas, self.rejected = self.rejected + deltas, []
-                    outbox.put(("step", deltas, self._stats()))
+                self._send_step(self._step() if stepped else {}, changed, stepped)
                 if stepped:
                     self._release_freed_memory()
-            for request_id in list(self.num_sent):
-                engine.abort_request(request_id)
-            outbox.put(("stopped", self._stats()))
         finally:
-            outbox.close()
+            for outbox in self.outboxes:
+                outbox.close()
+
+    def _send_step(self, deltas: dict[int, list[SampleDelta]], changed: set[int], stepped: bool) -> None:
+        """Each front end's message of a step: its requests' deltas and the scheduler's state."""
+        first = self.live[0] if self.live else None
+        several = len(self.conns) > 1
+        for index in self.live:
+            mine = deltas.get(index)
+            if mine or index in changed or self.rejected[index] or (several and stepped and index == first):
+                if self.rejected[index]:
+                    mine, self.rejected[index] = self.rejected[index] + (mine or []), []
+                self.outboxes[index].put(("step", mine or [], self._stats(counters=index == first)))
 
     def _release_freed_memory(self) -> None:
         """After a prefill (whose working memory glibc would keep) or once idle, hand the heap's free pages back."""
@@ -100,43 +116,82 @@ class EngineCore:
         if idle or self.engine.last_step.prefill_tokens >= TRIM_AFTER_PREFILL_TOKENS:
             self.heap.trim(busy=not idle)
 
-    def _handle_commands(self, block: bool) -> bool | None:
-        """Apply the commands that came (waiting for one if ``block``); whether any did; None once told to stop."""
-        changed = False
-        while block or self.conn.poll():
+    def _handle_commands(self, block: bool) -> set[int] | None:
+        """Apply the commands that came (waiting for one if ``block``); the front ends that sent any; None once
+        every front end has said stop. EOFError once the last front end went away without saying it."""
+        changed: set[int] = set()
+        if len(self.conns) == 1:  # the common case: no select call per step
+            conn = self.conns[0]
+            while block or conn.poll():
+                block = False
+                changed.add(0)
+                if not self._apply(0, conn.recv()):
+                    return None
+            return changed
+        from multiprocessing.connection import wait
+        while self.live:
+            ready = wait([self.conns[i] for i in self.live], timeout=None if block else 0)
+            if not ready:
+                return changed
             block = False
-            command = self.conn.recv()
-            kind = command[0]
-            changed = True
-            if kind == "add":
-                self._add(*command[1:])
-            elif kind == "abort":
-                for request_id in command[1]:
-                    if self.num_sent.pop(request_id, None) is not None:
-                        self.engine.abort_request(request_id)
-            elif kind == "stop_sample":
-                _, request_id, index, stop = command
-                if request_id in self.num_sent:
-                    self.engine.stop_sample(request_id, index, stop)
-                    self._forget_if_finished(request_id)
-            elif kind == "stop":
-                return None
-            else:
-                raise ValueError(f"unknown command {kind!r}")
-        return changed
+            for conn in ready:
+                index = self.conns.index(conn)
+                changed.add(index)
+                try:
+                    while index in self.live and conn.poll():
+                        self._apply(index, conn.recv())
+                except (EOFError, OSError):  # that front end is gone: nobody reads its requests' outputs
+                    self._drop(index)
+                    if not self.live:
+                        raise EOFError("every front end is gone") from None
+        return None
 
-    def _add(self, request_id: str, token_ids: list[int], params) -> None:
+    def _apply(self, front_end: int, command: tuple) -> bool:
+        """One command of a front end; False if it said stop (it then has its last message)."""
+        kind = command[0]
+        if kind == "add":
+            self._add(*command[1:], front_end=front_end)
+        elif kind == "abort":
+            for request_id in command[1]:
+                if self.num_sent.pop(request_id, None) is not None:
+                    del self.owner[request_id]
+                    self.engine.abort_request(request_id)
+        elif kind == "stop_sample":
+            _, request_id, index, stop = command
+            if request_id in self.num_sent:
+                self.engine.stop_sample(request_id, index, stop)
+                self._forget_if_finished(request_id)
+        elif kind == "stop":
+            self._drop(front_end)
+            self.outboxes[front_end].put(("stopped", self._stats(counters=not self.live)))
+            return False
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+        return True
+
+    def _drop(self, front_end: int) -> None:
+        """A front end that stopped or went away: its requests are aborted."""
+        if front_end in self.live:
+            self.live.remove(front_end)
+        for request_id in [r for r, owner in self.owner.items() if owner == front_end]:
+            del self.owner[request_id]
+            del self.num_sent[request_id]
+            self.engine.abort_request(request_id)
+
+    def _add(self, request_id: str, token_ids: list[int], params, front_end: int = 0) -> None:
         try:
             self.engine.add_request({"prompt_token_ids": token_ids}, params, request_id)
         except ValueError as e:  # the request's own fault: only it is refused
-            self.rejected.append((request_id, -1, [], "rejected", str(e), None, None, None))
+            self.rejected[front_end].append((request_id, -1, [], "rejected", str(e), None, None, None))
             return
         self.num_sent[request_id] = [0] * params.n
+        self.owner[request_id] = front_end
 
-    def _step(self) -> list[SampleDelta]:
+    def _step(self) -> dict[int, list[SampleDelta]]:
+        """One engine step: the new tokens of each sample it advanced, by the front end that owns the request."""
         engine = self.engine
-        requests, num_sent_of = engine.requests, self.num_sent
-        deltas = []
+        requests, num_sent_of, owner = engine.requests, self.num_sent, self.owner
+        deltas: dict[int, list[SampleDelta]] = {}
         ended = []
         for seq in engine.step():
             request_id = seq.request_id
@@ -156,7 +211,11 @@ class EngineCore:
                 finish, stop_reason = "error", state.error
             if finish is not None:
                 ended.append(request_id)
-            deltas.append((request_id, index, new, finish, stop_reason, logprobs, sample.cumulative_logprob, first))
+            front_end = owner[request_id]
+            mine = deltas.get(front_end)
+            if mine is None:
+                mine = deltas[front_end] = []
+            mine.append((request_id, index, new, finish, stop_reason, logprobs, sample.cumulative_logprob, first))
         for request_id in dict.fromkeys(ended):  # only a sample that ended can end its request
             self._forget_if_finished(request_id)
         return deltas
@@ -165,18 +224,22 @@ class EngineCore:
         if self.engine.is_request_finished(request_id):
             self.engine.forget_request(request_id)
             del self.num_sent[request_id]
+            del self.owner[request_id]
 
     def _read_counters(self) -> tuple[int, int, int]:
         scheduler = self.engine.scheduler
         bm = scheduler.block_manager
         return scheduler.stats.num_preemptions, bm.num_queried_tokens, bm.num_hit_tokens
 
-    def _stats(self) -> CoreStats:
+    def _stats(self, counters: bool = True) -> CoreStats:
+        """The scheduler's state, and its counters since they were last sent (zeros if not ``counters``)."""
         scheduler = self.engine.scheduler
+        state = (len(scheduler.running), len(scheduler.waiting), scheduler.block_manager.usage)
+        if not counters:
+            return (*state, 0, 0, 0)
         now = self._read_counters()
         before, self.counters = self.counters, now
-        return (len(scheduler.running), len(scheduler.waiting), scheduler.block_manager.usage,
-                now[0] - before[0], now[1] - before[1], now[2] - before[2])
+        return (*state, now[0] - before[0], now[1] - before[1], now[2] - before[2])
 
 
 class _Outbox:
@@ -234,16 +297,28 @@ def core_params(params):
     return dataclasses.replace(params, stop=[], detokenize=False)
 
 
-def run_engine_core(conn, engine_args: dict) -> None:
+def run_engine_core(conns, engine_args: dict) -> None:
     """Process target: say ("loading", what it loads), build the engine, say ("ready", CoreInfo) or ("failed",
-    why), then serve ``conn``. The front end never imports torch: the engine's arguments are checked here."""
+    why), then serve ``conns`` (one Connection, or one per front end: each hears all of this). The front end never
+    imports torch: the engine's arguments are checked here."""
     import os
     import sys
     import warnings
 
-    # Ctrl-C reaches the whole process group: the front end drains and then stops the core, not the signal
+    # Ctrl-C (or a SIGTERM sent to the whole process group) reaches the core too: the front ends drain and then
+    # stop it, not the signal (a front end that is gone closes its pipe, which ends the core as well)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine = None
+    every = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+
+    def tell(message: tuple) -> None:
+        for conn in every:
+            try:
+                conn.send(message)
+            except OSError:  # that front end is gone
+                pass
+
     try:
         _bind_device(engine_args.get("device"))
         from nanovllm.config import EngineConfig
@@ -251,7 +326,7 @@ def run_engine_core(conn, engine_args: dict) -> None:
         with warnings.catch_warnings():  # the engine checks the same arguments again, and warns then
             warnings.simplefilter("ignore")
             known = {k: v for k, v in engine_args.items() if k in EngineConfig.field_names()}  # LLMEngine names
-            conn.send(("loading", loading_line(EngineConfig(**known))))  # the others, below
+            tell(("loading", loading_line(EngineConfig(**known))))  # the others, below
         from nanovllm.engine.llm_engine import LLMEngine
         engine = LLMEngine(**engine_args)
         if engine.config.device == "cpu" and engine.config.tensor_parallel_size == 1:
@@ -260,24 +335,22 @@ def run_engine_core(conn, engine_args: dict) -> None:
                         sorted(engine.eos_token_ids), os.getpid(), kv_cache_line(engine))
     except BaseException as e:
         try:  # the exception itself, so the front end can raise a user's error (a bad path, a bad flag) as such
-            conn.send(("failed", e))
+            pickle.dumps(e)
         except Exception:
-            conn.send(("failed", RuntimeError(f"{type(e).__name__}: {e}")))
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        tell(("failed", e))
         if engine is not None:
             engine.close()
         sys.exit(1)
-    conn.send(("ready", info))
+    tell(("ready", info))
     status = 0
     try:
-        EngineCore(engine, conn).run()
+        EngineCore(engine, conns).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         status = 1  # the front end is gone: nobody to serve
     except BaseException as e:
         logger.exception("the engine core failed")
-        try:
-            conn.send(("dead", f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
+        tell(("dead", f"{type(e).__name__}: {e}"))
         status = 1
     finally:
         engine.close()

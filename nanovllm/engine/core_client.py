@@ -39,7 +39,7 @@ from nanovllm.engine.async_engine import (
     _Deliveries,
     _RequestState,
 )
-from nanovllm.engine.core import CoreInfo, CoreStats, SampleDelta, core_params, merge_steps, run_engine_core
+from nanovllm.engine.core import CoreStats, SampleDelta, core_params, merge_steps, run_engine_core
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -50,6 +50,56 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 1800.0  # loading a large model (and compiling its kernels) may take minutes
 STOP_TIMEOUT_S = 30.0
+
+
+# (this front end's Connection, the core's CoreInfo): a core that start_engine_core started for several
+AttachedCore = tuple
+
+
+def start_engine_core(engine_args: dict, num_front_ends: int, timeout: float = STARTUP_TIMEOUT_S):
+    """Start an engine core process with a pipe per front end and wait until it is ready: (the process, the front
+    ends' Connections, CoreInfo). The user's own error (a bad model path or flag) is raised as the engine raised
+    it; others as RuntimeError."""
+    from multiprocessing.connection import wait
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; nor can torch's threads
+    pipes = [context.Pipe(duplex=True) for _ in range(num_front_ends)]
+    ends = [child for _, child in pipes]
+    # not a daemon: the core may start tensor-parallel workers of its own; it exits when the pipes close
+    proc = context.Process(target=run_engine_core, args=(ends[0] if num_front_ends == 1 else ends, engine_args),
+                           name="nanovllm-core")
+    proc.start()
+    for child in ends:
+        child.close()
+    conns = [conn for conn, _ in pipes]
+    deadline = time.monotonic() + timeout
+    info = None
+    for index, conn in enumerate(conns):  # each pipe hears the same; the first one's "loading" is logged
+        while True:
+            ready = wait([conn, proc.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+            if conn in ready:
+                try:
+                    kind, payload = conn.recv()
+                except EOFError:
+                    kind, payload = "failed", None
+                if kind == "loading":  # what the core loads, before the weights are read
+                    if index == 0:
+                        logger.info("%s", payload)
+                    continue
+                if kind == "ready":
+                    info = payload
+                    break
+                proc.join(5)
+                if isinstance(payload, (FileNotFoundError, ValueError, TypeError)):
+                    raise payload  # the user's own error (a bad model path or flag), as the engine raised it
+                why = f"{type(payload).__name__}: {payload}" if payload else f"exit code {proc.exitcode}"
+                raise RuntimeError(f"the engine core failed to start: {why}")
+            if proc.sentinel in ready:
+                proc.join()
+                raise RuntimeError(f"the engine core exited with code {proc.exitcode} while starting")
+            if not ready:
+                proc.kill()
+                raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
+    return proc, conns, info  # (CoreInfo)
 
 
 @dataclass
@@ -91,8 +141,11 @@ class AsyncEngineClient(EngineClient):
     shutdown, stats_listeners, the engine's fixed attributes).
     """
 
-    def __init__(self, engine_args: dict, *, max_queued_requests: int | None = None,
-                 stats_listeners: list[StatsListener] | None = None, startup_timeout: float = STARTUP_TIMEOUT_S):
+    def __init__(self, engine_args: dict | None, *, max_queued_requests: int | None = None,
+                 stats_listeners: list[StatsListener] | None = None, startup_timeout: float = STARTUP_TIMEOUT_S,
+                 core: AttachedCore | None = None):
+        """Start a core for ``engine_args``, or (``core``) serve through a core that another process started for
+        several front ends (``start_engine_core``): that process owns it, and stops it."""
         self.max_queued_requests = max_queued_requests
         self.stats_listeners: list[StatsListener] = list(stats_listeners or [])
         self.on_dead: list[Callable[[], None]] = []  # called (from the output thread) if the core dies
@@ -106,13 +159,11 @@ class AsyncEngineClient(EngineClient):
         # may itself be blocked sending a step to the output thread, which must keep reading).
         self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._finished_stats: list[FinishedRequestStats] = []  # aborts since the last message
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; nor can torch's threads
-        self._conn, child = context.Pipe(duplex=True)
-        # not a daemon: the core may start tensor-parallel workers of its own; it exits when the pipe closes
-        self._proc = context.Process(target=run_engine_core, args=(child, engine_args), name="nanovllm-core")
-        self._proc.start()
-        child.close()
-        info = self._wait_ready(startup_timeout)
+        if core is None:
+            self._proc, (self._conn,), info = start_engine_core(engine_args, 1, startup_timeout)
+        else:
+            self._proc = None
+            self._conn, info = core
         self.core_pid = info.pid
         self.model_path = info.model_path
         self.tokenizer = info.tokenizer
@@ -133,33 +184,6 @@ class AsyncEngineClient(EngineClient):
     def from_engine_args(cls, model: str | None = None, *, max_queued_requests: int | None = None,
                          **engine_args) -> AsyncEngineClient:
         return cls(dict(engine_args, model=model), max_queued_requests=max_queued_requests)
-
-    def _wait_ready(self, timeout: float) -> CoreInfo:
-        from multiprocessing.connection import wait
-        deadline = time.monotonic() + timeout
-        while True:
-            ready = wait([self._conn, self._proc.sentinel], timeout=max(0.0, deadline - time.monotonic()))
-            if self._conn in ready:
-                try:
-                    kind, payload = self._conn.recv()
-                except EOFError:
-                    kind, payload = "failed", None
-                if kind == "loading":  # what the core loads, before the weights are read
-                    logger.info("%s", payload)
-                    continue
-                if kind == "ready":
-                    return payload
-                self._proc.join(5)
-                if isinstance(payload, (FileNotFoundError, ValueError, TypeError)):
-                    raise payload  # the user's own error (a bad model path or flag), as the engine raised it
-                why = f"{type(payload).__name__}: {payload}" if payload else f"exit code {self._proc.exitcode}"
-                raise RuntimeError(f"the engine core failed to start: {why}")
-            if self._proc.sentinel in ready:
-                self._proc.join()
-                raise RuntimeError(f"the engine core exited with code {self._proc.exitcode} while starting")
-            if not ready:
-                self._proc.kill()
-                raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
 
     def check_structured_outputs(self, constraint) -> None:
         self._grammars.compile(constraint)  # a model without tokenizer is refused there, by name
@@ -231,11 +255,12 @@ class AsyncEngineClient(EngineClient):
         self._send(("stop",))
         self._outbox.put(None)
         self._thread.join(timeout)
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            logger.warning("the engine core did not stop within %s s: killing it", timeout)
-            self._proc.kill()
-            self._proc.join()
+        if self._proc is not None:  # (an attached core belongs to the process that started it)
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                logger.warning("the engine core did not stop within %s s: killing it", timeout)
+                self._proc.kill()
+                self._proc.join()
         self._conn.close()
 
     def _send(self, message: tuple) -> None:
@@ -272,8 +297,12 @@ class AsyncEngineClient(EngineClient):
                         done = True
                         break
         except (EOFError, OSError):
-            self._proc.join(2)
-            error = EngineDeadError(f"the engine core process died (exit code {self._proc.exitcode}).")
+            if self._proc is not None:
+                self._proc.join(2)
+                how = f"exit code {self._proc.exitcode}"
+            else:
+                how = f"pid {self.core_pid}"
+            error = EngineDeadError(f"the engine core process died ({how}).")
         except BaseException as e:  # a bug of this thread: nothing could reach the callers any more
             logger.exception("the output thread failed")
             error = EngineDeadError(f"the server's output thread failed: {e!r}")

@@ -2,13 +2,17 @@
 
 The engine thread reports each loop turn as an IterationStats; ``ServerMetrics.record`` turns it into gauges,
 counters and histograms (prometheus-client is thread-safe). Each server has its own registry, so several apps can
-live in one process (tests).
+live in one process (tests). With several front-end processes (``--api-server-count``, server/front_ends.py),
+PROMETHEUS_MULTIPROC_DIR is set: each process writes its values there, and ``render`` sums them all (gauges: the
+most recent value).
 """
 
 from __future__ import annotations
 
+import os
+
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 from nanovllm.engine.async_engine import IterationStats
 
@@ -34,7 +38,8 @@ class ServerMetrics:
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=registry).labels(model_name)
+            return Gauge(PREFIX + name, doc, labels, registry=registry,
+                         multiprocess_mode="mostrecent").labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(PREFIX + name, doc, labels, registry=registry).labels(model_name)
@@ -108,4 +113,8 @@ class ServerMetrics:
         self.kv_cache_usage.set(stats.kv_cache_usage)
 
     def render(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # every front end's values, summed
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -105,8 +105,9 @@ def lone_surrogate_at(data: Any) -> tuple[str, str | None] | None:
                 if isinstance(key, str) and not _is_unicode(key):
                     return (f"a key of {path}" if path else "a field name"), field
                 stack.append((f"{path}.{key}" if path else str(key), field or str(key), item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", field, item) for i, item in enumerate(value))
+        elif isinstance(value, list):  # (numbers, e.g. a prompt's token ids, need no path)
+            stack.extend((f"{path}[{i}]", field, item) for i, item in enumerate(value)
+                         if isinstance(item, (str, dict, list)))
     return None
 
 

@@ -7,7 +7,8 @@ The engine runs in a process of its own (``nanovllm.engine.core``); this process
 detokenizes. SIGTERM (or SIGINT) drains: new requests are refused at once (503, and /health says 503), requests
 in flight run to their end for up to --timeout-graceful-shutdown seconds, then the engine stops and the process
 exits 0. If the engine process dies, open streams end with an error event, /health and new requests get 503, and
-the server exits with status 1 within seconds.
+the server exits with status 1 within seconds. ``--api-server-count N`` runs N such front ends on the port in front
+of one engine process (server/front_ends.py).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let requests use tool_choice 'auto' (needs --tool-call-parser)")
     parser.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                         help="split the model's <think>...</think> into reasoning_content")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="front-end processes (HTTP, tokenizer, detokenizer) sharing the port in front of one "
+                             "engine core, for when one front end's CPU is the limit")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="log level (default: info)")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false",
@@ -95,20 +99,28 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def build_app_from_args(args: argparse.Namespace):
-    """Load the engine and build the app (what ``run_server`` serves)."""
-    from nanovllm.engine.core_client import AsyncEngineClient
-    from nanovllm.server.app import build_app
-
+def _check_serve_args(args: argparse.Namespace) -> None:
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be non-negative, got {args.max_queued_requests}.")
-    for flag in ("max_n", "max_prompts_per_request"):
+    for flag in ("max_n", "max_prompts_per_request", "api_server_count"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}.")
     from nanovllm.server.tools import check_tool_call_parser
     check_tool_call_parser(args.tool_call_parser, args.enable_auto_tool_choice)  # before the model loads
-    kwargs = engine_kwargs(args)  # the positional MODEL is among them, as "model"
-    llm = AsyncEngineClient.from_engine_args(max_queued_requests=args.max_queued_requests, **kwargs)
+
+
+def build_app_from_args(args: argparse.Namespace, core=None):
+    """Load the engine (or attach to ``core``, a front end's share of one started for several) and build the app
+    (what ``run_server`` serves)."""
+    from nanovllm.engine.core_client import AsyncEngineClient
+    from nanovllm.server.app import build_app
+
+    _check_serve_args(args)
+    if core is None:
+        kwargs = engine_kwargs(args)  # the positional MODEL is among them, as "model"
+        llm = AsyncEngineClient.from_engine_args(max_queued_requests=args.max_queued_requests, **kwargs)
+    else:
+        llm = AsyncEngineClient(None, max_queued_requests=args.max_queued_requests, core=core)
     names = args.served_model_name or [args.model if args.model is not None else DEFAULT_MODEL_NAME]
     return build_app(llm, served_model_names=names, api_key=args.api_key,
                      max_request_body_bytes=args.max_request_body_bytes or None, max_n=args.max_n,
@@ -119,17 +131,29 @@ def build_app_from_args(args: argparse.Namespace):
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (which drain in-flight requests first)."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         print("error: the server needs FastAPI, uvicorn and prometheus-client: pip install 'nanovllm[serve]'",
               file=sys.stderr)
         return 1
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger(__name__)
+    if args.api_server_count > 1:
+        from nanovllm.server.front_ends import run_front_ends
+        _check_serve_args(args)  # before the model loads
+        return run_front_ends(args)
     app = build_app_from_args(args)  # the engine core says what it loads (logged here) before it reads weights
+    log = logging.getLogger(__name__)
     log.info("%s", app.state.server.llm.kv_cache_summary)
     log.info("serving %s on http://%s:%d", app.state.server.model_names, args.host, args.port)
+    return serve_app(app, args)
+
+
+def serve_app(app, args: argparse.Namespace, sockets=None) -> int:
+    """Run ``app`` under uvicorn (on ``sockets`` if given, else --host/--port) until SIGINT/SIGTERM or the
+    engine's death; the exit status."""
+    import uvicorn
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     server = uvicorn.Server(config)
@@ -153,7 +177,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     llm.on_dead.append(engine_died)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         llm.shutdown()  # (the app's shutdown did it already, unless uvicorn failed to start)
     if llm.error is not None:

@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import sys
+import time
 
 import httpx
 import pytest
@@ -116,6 +117,50 @@ def test_serving_benchmark_on_a_model_without_tokenizer(bare, serving):
         assert summary[key] > 0, key
 
 
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_serving_benchmark_clients_count_the_same_tokens(bare, serving, client):
+    args = serving.parse_args(["--base-url", bare.url, "--num-prompts", "3", "--input-len", "8", "--output-len", "6",
+                               "--random-token-range", "10", "300", "--client", client])
+    summary = asyncio.run(serving.run(args))
+    assert summary["client"] == client
+    assert summary["completed"] == 3 and summary["failed"] == 0, summary["errors"]
+    assert summary["total_output_tokens"] == 3 * 6 and summary["total_input_tokens"] == 3 * 8
+
+
+def _read_stream(serving, body: bytes, pieces: int = 7):
+    result = serving.RequestResult()
+    reader = serving.StreamReader(result, time.perf_counter())
+    for i in range(0, len(body), pieces):  # events split anywhere across reads
+        reader.feed(body[i:i + pieces])
+    return reader.finish(), reader
+
+
+def test_the_benchmark_counts_every_token_of_chunks_that_carry_several(serving):
+    events = [{"choices": [{"index": 0, "text": 'a "token_ids":[9,9]', "token_ids": [5, 6, 7],
+                            "prompt_token_ids": [1, 2]}], "usage": None},
+              {"choices": [{"index": 0, "text": "", "token_ids": []}], "usage": None},
+              {"choices": [{"index": 0, "text": "b", "token_ids": [8]}, {"index": 1, "text": "c", "token_ids": [3, 4]}],
+               "usage": None},
+              {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+    result, reader = _read_stream(serving, body)
+    assert result.ok, result.error
+    assert reader.tokens == 6 and result.output_len == 6 and result.prompt_len == 2
+    assert len(result.itl) == 1  # two chunks carried tokens (the empty one is no inter-token gap)
+
+    short = body.replace(b'"completion_tokens": 6', b'"completion_tokens": 7')
+    result, _ = _read_stream(serving, short)
+    assert not result.ok and "carried 6 token ids, but usage says 7" in result.error
+
+    result, _ = _read_stream(serving, body[:body.index(b"data: [DONE]")])
+    assert not result.ok and "without [DONE]" in result.error
+
+    failed = b'data: {"choices":[{"index":0,"text":"x","token_ids":[1]}]}\n\n' \
+             b'data: {"error":{"message":"the engine failed","code":503}}\n\ndata: [DONE]\n\n'
+    result, _ = _read_stream(serving, failed)
+    assert not result.ok and result.error == "the engine failed"
+
+
 def test_serving_benchmark_chat_without_tokenizer_is_a_clear_error(bare, serving, capsys):
     assert serving.main(["--base-url", bare.url, "--endpoint", "chat", "--num-prompts", "1"]) == 1
     assert "no tokenizer" in capsys.readouterr().err
@@ -141,3 +186,21 @@ def test_token_ids_of_several_prompts_and_samples(bare):
             streamed[c["index"]][1].extend(c["token_ids"])
     assert streamed == expected
     assert [expected[i][0] for i in range(4)] == [PROMPT, PROMPT, PROMPT[:5], PROMPT[:5]]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize("text", ["", "plain", 'quote " and \\ backslash', "é ü 中 \n\t", "\u2028"])
+def test_the_chunk_template_writes_the_same_json_as_the_chunk_dict(include_usage, return_token_ids, text):
+    from nanovllm.server.app import _ChunkTemplate, _event
+    template = _ChunkTemplate("cmpl-\"x\"", "text_completion", 1790000000, "models/é", include_usage,
+                              return_token_ids)
+    envelope = {"id": "cmpl-\"x\"", "object": "text_completion", "created": 1790000000, "model": "models/é"}
+    tail = {"usage": None} if include_usage else {}
+    ids = {"token_ids": [5, 17]} if return_token_ids else {}
+    common = {"logprobs": None, "finish_reason": None, "stop_reason": None, **ids}
+    expected = _event({**envelope, "choices": [{"index": 3, "text": text, **common}], **tail})
+    assert template.completion(3, text, [5, 17]) == expected
+    delta = {"content": text}
+    expected = _event({**envelope, "choices": [{"index": 1, "delta": delta, **common}], **tail})
+    assert template.chat(1, delta, [5, 17]) == expected
