@@ -104,6 +104,9 @@ class EngineConfig:
         from nanovllm.platforms.cpu.settings import NO_CPU, CpuSettings
         # the machine's and the environment's CPU choices, read once (not a field: no engine argument)
         self.cpu = NO_CPU if self.device.startswith("cuda") else CpuSettings.detect()
+        # torch.compile for the small elementwise ops (they compile on CUDA only: layers/compile.py) unless
+        # NANOVLLM_NO_COMPILE=1; read once, as the CPU's choices are
+        self.compile_small_ops = os.environ.get("NANOVLLM_NO_COMPILE") != "1"
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self.is_cuda else 16
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
