@@ -8,10 +8,18 @@ the weight. A new weight format (fp8, a fused MoE's experts) is one more subclas
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import skinny_gemm
+
+@functools.cache
+def _skinny_gemm():
+    """kernels/skinny_gemm.py, imported on the first CUDA product: it imports Triton, whose library alone keeps
+    ~66 MB resident in a CPU engine that never launches it."""
+    from nanovllm.kernels import skinny_gemm
+    return skinny_gemm
 
 
 class LinearMethod:
@@ -22,16 +30,20 @@ class LinearMethod:
     owns_weight = False
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if skinny_gemm.takes(x, layer.weight):
-            return skinny_gemm.skinny_linear(x, layer.weight, bias)
+        if x.is_cuda:
+            skinny_gemm = _skinny_gemm()
+            if skinny_gemm.takes(x, layer.weight):
+                return skinny_gemm.skinny_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def apply_silu_and_mul(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                            act: torch.nn.Module) -> torch.Tensor:
         """act(x W^T + b) for SwiGLU's packed [gate | up] projection, act being its silu(gate) * up; the default
         method does both in one kernel where the few-row kernel takes the product."""
-        if not self.owns_weight and skinny_gemm.takes(x, layer.weight, gated=True):
-            return skinny_gemm.skinny_linear(x, layer.weight, bias, gated=True)
+        if x.is_cuda and not self.owns_weight:
+            skinny_gemm = _skinny_gemm()
+            if skinny_gemm.takes(x, layer.weight, gated=True):
+                return skinny_gemm.skinny_linear(x, layer.weight, bias, gated=True)
         return act(self.apply(layer, x, bias))
 
 
