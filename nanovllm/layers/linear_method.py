@@ -40,7 +40,7 @@ class LinearMethod:
                            act: torch.nn.Module) -> torch.Tensor:
         """act(x W^T + b) for SwiGLU's packed [gate | up] projection, act being its silu(gate) * up; the default
         method does both in one kernel where the few-row kernel takes the product."""
-        if x.is_cuda and not self.owns_weight:
+        if not self.owns_weight and x.is_cuda:  # (a method that owns its weight may take a RowScaled x)
             skinny_gemm = _skinny_gemm()
             if skinny_gemm.takes(x, layer.weight, gated=True):
                 return skinny_gemm.skinny_linear(x, layer.weight, bias, gated=True)
