@@ -4,7 +4,9 @@ Starts the server from the checkout given (--tree, default this one) on the embe
 process's VmRSS from /proc (Linux) at start, after --chat-requests concurrent chat requests of --chat-tokens
 tokens (EOS ignored), and after --prompt-waves waves of 32 concurrent completions of distinct ~600-token prompts
 (4 tokens each). Prints one JSON line per phase: the front end, the core (the largest child), their sum, the
-other children (multiprocessing's resource tracker) and whether the front end has torch mapped.
+other children (multiprocessing's resource tracker) and whether the front end has torch mapped; and each one's
+peak since the start (VmHWM, the core's reset once it is up, so loading is left out), which catches what a
+burst of prefills holds while it runs (their sum bounds the pair's peak from above).
 
     python benchmarks/server_memory.py --prompt-waves 10      # as in docs/benchmarks.md
 """
@@ -32,11 +34,16 @@ def prompt(i: int, words: int = 200) -> str:
     return f"{i}: " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] + str((i * j) % 97) for j in range(words))
 
 
-def vm_rss_mb(pid: int) -> int:
+def vm_rss_mb(pid: int, key: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) // 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    raise RuntimeError(f"no {key} for {pid}")
+
+
+def reset_peak(pid: int) -> None:
+    """Start the process's VmHWM afresh from its resident size now (Linux: clear_refs 5)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def children(pid: int) -> list[int]:
@@ -47,7 +54,11 @@ def report(server: subprocess.Popen, phase: str) -> dict:
     sizes = {pid: vm_rss_mb(pid) for pid in children(server.pid)}
     core = max(sizes, key=sizes.get)
     front = vm_rss_mb(server.pid)
+    if phase == "start":
+        reset_peak(core)
+    peaks = vm_rss_mb(server.pid, "VmHWM"), vm_rss_mb(core, "VmHWM")
     row = dict(phase=phase, front_end_mb=front, core_mb=sizes[core], sum_mb=front + sizes[core],
+               front_end_peak_mb=peaks[0], core_peak_mb=peaks[1], peak_sum_mb=sum(peaks),
                others_mb=[v for k, v in sizes.items() if k != core],
                front_end_has_torch="libtorch" in Path(f"/proc/{server.pid}/maps").read_text())
     print(json.dumps(row), flush=True)

@@ -26,6 +26,10 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREFIX_CACHING_HASH_ALGOS = ("xxh64", "sha256")  # the keys of engine/block_manager.py's BLOCK_HASHES
 QUANTIZATIONS = (None, "fp8")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# The CPU's default token budget of one step: a prefill's activations and temporaries grow with it (a step of
+# 8,192 tokens held ~340 MB of them on the embedded model), and on the CPU a longer step computes no more tokens a
+# second (docs/benchmarks.md, "The server under 1 GB during a prompt burst")
+DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS = 1024
 # The CPU pool's default also holds at most this many tokens (or one request of max_model_len, if more): 64
 # requests of 256 tokens, about what 2-16 cores keep busy, without a small model's server holding GBs of cache
 DEFAULT_CPU_KV_CACHE_TOKENS = 16384
@@ -39,7 +43,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model's own
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS on the CPU
     # tokens per KV block; None: 256 on CUDA (the decode kernel's tiles), 16 on the CPU (prefix caching shares
     # whole blocks: a chat template's system prompt of ~20-30 tokens fills one 16-token block, none of 256)
     kvcache_block_size: int | None = None
@@ -104,8 +108,13 @@ class EngineConfig:
         from nanovllm.platforms.cpu.settings import NO_CPU, CpuSettings
         # the machine's and the environment's CPU choices, read once (not a field: no engine argument)
         self.cpu = NO_CPU if self.device.startswith("cuda") else CpuSettings.detect()
+        # torch.compile for the small elementwise ops (they compile on CUDA only: layers/compile.py) unless
+        # NANOVLLM_NO_COMPILE=1; read once, as the CPU's choices are
+        self.compile_small_ops = os.environ.get("NANOVLLM_NO_COMPILE") != "1"
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 256 if self.is_cuda else 16
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if self.is_cuda else DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             positive(name)
         for name in ("max_model_len", "num_kvcache_blocks", "kv_cache_memory_bytes"):

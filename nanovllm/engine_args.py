@@ -6,13 +6,14 @@ import argparse
 import dataclasses
 import typing
 
-from nanovllm.config import EngineConfig
+from nanovllm.config import DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 HELP = {
     "tokenizer": "tokenizer folder (default: the model's own)",
     "max_model_len": "longest prompt + completion in tokens (default: the model's limit)",
     "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one engine step (longer prompts are prefilled in chunks)",
+    "max_num_batched_tokens": "token budget of one engine step (longer prompts are prefilled in chunks; default "
+                              f"8192 on CUDA, {DEFAULT_CPU_MAX_NUM_BATCHED_TOKENS} on the CPU)",
     "kvcache_block_size": "tokens per KV-cache block (a power of two; default 256 on CUDA, 16 on the CPU)",
     "num_kvcache_blocks": "KV-cache pool size in blocks (default: from memory)",
     "kv_cache_memory_bytes": "KV-cache pool size in bytes (default on the CPU: what max_num_seqs requests of "

@@ -113,7 +113,7 @@ class LLM:
         try:
             while pending:
                 for seq in self.step():
-                    request_id = seq.request_id
+                    request_id = seq.extras.request_id
                     if seq.is_finished and request_id in pending and self.is_request_finished(request_id):
                         pending.discard(request_id)
                         results[request_id] = self.pop_finished(request_id)

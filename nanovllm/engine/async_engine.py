@@ -401,7 +401,7 @@ class AsyncLLM(EngineClient):
         now = time.monotonic()
         deliveries = _Deliveries()
         # n > 1 may give a request several sequences: one output per request
-        for request_id in dict.fromkeys(seq.request_id for seq in seqs):
+        for request_id in dict.fromkeys(seq.extras.request_id for seq in seqs):
             state = self._requests.get(request_id)
             if state is None:
                 continue

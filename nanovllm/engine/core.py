@@ -194,19 +194,20 @@ class EngineCore:
         deltas: dict[int, list[SampleDelta]] = {}
         ended = []
         for seq in engine.step():
-            request_id = seq.request_id
+            extras = seq.extras
+            request_id = extras.request_id
             num_sent = num_sent_of.get(request_id)
             if num_sent is None:
                 continue
             state = requests[request_id]
-            index = seq.index
+            index = extras.index
             sample = state.samples[index]
             before = num_sent[index]
             new = seq.token_ids[seq.num_prompt_tokens + before:]
             num_sent[index] = before + len(new)
             logprobs = sample.logprobs[before:] if sample.logprobs is not None else None
             first = (state.num_cached_tokens or 0, state.prompt_logprobs) if index == 0 and before == 0 else None
-            finish, stop_reason = seq.finish_reason, seq.stop_reason
+            finish, stop_reason = extras.finish_reason, extras.stop_reason
             if state.error is not None:
                 finish, stop_reason = "error", state.error
             if finish is not None:

@@ -14,7 +14,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.input_processor import InputProcessor, Prompt, RequestLimits
 from nanovllm.engine.sampling import RunnerOutput, TokenLogprobs
 from nanovllm.engine.scheduler import Scheduler, SchedulerConfig
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceExtras, SequenceStatus
 from nanovllm.loader.source import resolve_model
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -149,13 +149,14 @@ class LLMEngine:
         bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else ()
         samples = []
         for index in range(params.n):
-            seq = Sequence(token_ids, params, block_size=self.config.kvcache_block_size)
-            seq.request_id = request_id
-            seq.index = index
-            seq.min_tokens_stop_ids = stop_ids if params.min_tokens > 0 else ()
+            grammar = None
             if params.structured_outputs is not None:
-                seq.grammar = self.grammars.request_grammar(params.structured_outputs)
-            seq.bad_words_token_ids = bad_words
+                grammar = self.grammars.request_grammar(params.structured_outputs)
+            extras = SequenceExtras(
+                request_id=request_id, index=index, min_tokens_stop_ids=stop_ids if params.min_tokens > 0 else (),
+                needs_prompt_logprobs=index == 0 and params.prompt_logprobs is not None and len(token_ids) > 1,
+                bad_words_token_ids=bad_words, grammar=grammar)
+            seq = Sequence(token_ids, params, block_size=self.config.kvcache_block_size, extras=extras)
             detokenizer = None
             if self.tokenizer is not None and params.detokenize:
                 detokenizer = IncrementalDetokenizer(
@@ -168,9 +169,9 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(token_ids)
             state.num_prompt_logprobs_missing = len(token_ids) - 1
-            samples[0].seq.needs_prompt_logprobs = len(token_ids) > 1
         self.requests[request_id] = state
-        if samples[0].seq.grammar is not None and not samples[0].seq.grammar.ready:
+        grammar = samples[0].seq.extras.grammar
+        if grammar is not None and not grammar.ready:
             self._compiling.append(samples[0].seq)  # scheduled once compiled (_admit_compiled)
         else:
             self.scheduler.add(samples[0].seq)
@@ -197,11 +198,12 @@ class LLMEngine:
         for seq in self._compiling:
             if seq.is_finished:  # aborted while compiling
                 continue
-            if not seq.grammar.ready:
+            grammar = seq.extras.grammar
+            if not grammar.ready:
                 waiting.append(seq)
                 continue
-            error = seq.grammar.error()
-            state = self.requests.get(seq.request_id)
+            error = grammar.error()
+            state = self.requests.get(seq.extras.request_id)
             if error is not None:
                 if state is not None:
                     self._fail_request(state, error)
@@ -212,15 +214,19 @@ class LLMEngine:
     def _advance_grammars(self, seqs: list[Sequence], token_ids: list[int | None]) -> None:
         """Feed each constrained sequence's new token to its grammar; a complete output ends the sequence."""
         for seq, token_id in zip(seqs, token_ids, strict=True):
-            if token_id is None or seq.grammar is None or seq.finish_reason == "abort":
+            if token_id is None:
                 continue
-            if not seq.grammar.accept(token_id):
-                state = self.requests.get(seq.request_id)
+            extras = seq.extras
+            grammar = extras.grammar
+            if grammar is None or extras.finish_reason == "abort":
+                continue
+            if not grammar.accept(token_id):
+                state = self.requests.get(extras.request_id)
                 if state is not None:
                     self._fail_request(state, ValueError(
                         f"token {token_id} does not fit the structured_outputs grammar (no allowed token was left: "
-                        "min_tokens or other bans conflict with it)."), state.samples[seq.index])
-            elif seq.grammar.is_terminated and not seq.is_finished:
+                        "min_tokens or other bans conflict with it)."), state.samples[extras.index])
+            elif grammar.is_terminated and not seq.is_finished:
                 self.scheduler.finish(seq, "stop")
 
     def abort_request(self, request_id: str) -> bool:
@@ -235,7 +241,7 @@ class LLMEngine:
                 continue
             if not self.scheduler.abort(seq):  # a sample not yet handed to the scheduler
                 seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "abort"
+                seq.extras.finish_reason = "abort"
             aborted = True
         return aborted
 
@@ -265,7 +271,7 @@ class LLMEngine:
         """Run one engine step; returns the sequences that received a token (finished ones included), and those
         of a request that failed this step (finish_reason "error", see ``_fail_request``).
 
-        A sequence carries ``request_id`` (its request) and ``index`` (which of the request's n samples); a
+        A sequence's ``extras`` carry ``request_id`` (its request) and ``index`` (which of the request's n samples); a
         request is finished when ``is_request_finished`` says so (every sample finished).
         """
         start = time.perf_counter()
@@ -279,12 +285,12 @@ class LLMEngine:
             if not seqs:
                 self.last_step = StepStats()
                 if self._compiling:  # nothing to run until a grammar is ready: wait for one, briefly
-                    concurrent.futures.wait([s.grammar.compiled for s in self._compiling], GRAMMAR_WAIT_SECONDS,
+                    concurrent.futures.wait([s.extras.grammar.compiled for s in self._compiling], GRAMMAR_WAIT_SECONDS,
                                             return_when=concurrent.futures.FIRST_COMPLETED)
                 return []
             for seq in seqs:
-                if seq.is_prefill and seq.index == 0:
-                    state = self.requests.get(seq.request_id)
+                if seq.is_prefill and seq.extras.index == 0:
+                    state = self.requests.get(seq.extras.request_id)
                     if state is not None and state.num_cached_tokens is None:
                         state.num_cached_tokens = seq.num_cached_tokens  # what the prefix cache served
             try:
@@ -322,7 +328,7 @@ class LLMEngine:
                     seq.num_scheduled_tokens = 1  # its token in flight, now appended, is what the next step computes
         self.last_step = StepStats(prefill, decode, time.perf_counter() - start)
         return [s for s, t, e in zip(seqs, output.token_ids, ended, strict=True)
-                if not e and (t is not None or s.finish_reason == "error")]
+                if not e and (t is not None or s.extras.finish_reason == "error")]
 
     def _launch(self, seqs: list[Sequence]):
         """Start a scheduled step (a runner without ``launch`` runs it to the end here)."""
@@ -338,7 +344,7 @@ class LLMEngine:
         request alone (``_fail_request``), and the step goes on for the others.
         """
         for i, run in output.prompt_logprobs.items():
-            state = self.requests.get(seqs[i].request_id)
+            state = self.requests.get(seqs[i].extras.request_id)
             if state is None or state.prompt_logprobs is None or state.error is not None:
                 continue
             try:
@@ -350,15 +356,16 @@ class LLMEngine:
                 self._fail_request(state, e)
                 continue
             if state.num_prompt_logprobs_missing == 0:
-                seqs[i].needs_prompt_logprobs = False  # a recompute after preemption needs no logits again
+                seqs[i].extras.needs_prompt_logprobs = False  # a recompute after preemption needs no logits again
         for seq, token_id, logprobs in zip(seqs, output.token_ids, output.logprobs, strict=True):
             params = seq.sampling_params
             if token_id is None or (not params.stop and params.logprobs is None and params.n == 1):
                 continue  # nothing to record per step: its text and output wait for make_output
-            state = self.requests.get(seq.request_id)
+            extras = seq.extras
+            state = self.requests.get(extras.request_id)
             if state is None or state.error is not None:
                 continue
-            sample = state.samples[seq.index]
+            sample = state.samples[extras.index]
             try:
                 num_new = len(token_id) if isinstance(token_id, list) else 1  # a verify step's kept tokens
                 if state.params.stop and num_new > 1:
@@ -395,7 +402,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "error")  # frees its blocks; a sample not queued yet holds none
             elif other is sample:
-                seq.finish_reason, seq.stop_reason = "error", None
+                seq.extras.finish_reason, seq.extras.stop_reason = "error", None
 
     def _update_text_stepwise(self, sample: SampleState, num_new: int) -> int:
         """``_update_text`` for a step that appended several tokens (speculative decoding): they go to the
@@ -408,7 +415,7 @@ class LLMEngine:
             stop = detokenizer.update(seq.token_ids[done:end]) if done < end else None
             if stop is not None:
                 if seq.is_finished:  # by the last new token, which is dropped now
-                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    seq.extras.finish_reason, seq.extras.stop_reason = "stop", stop
                 else:
                     self.scheduler.finish(seq, "stop", stop)
                 seq.truncate(end)
@@ -421,7 +428,8 @@ class LLMEngine:
         """Feed the sample's new tokens to its detokenizer; a stop string ends the sample with reason "stop"."""
         seq, detokenizer = sample.seq, sample.detokenizer
         end = seq.num_completion_tokens
-        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        extras = seq.extras
+        stopped_by_token = extras.finish_reason == "stop" and not isinstance(extras.stop_reason, str)
         if stopped_by_token and not seq.sampling_params.include_stop_str_in_output:
             end -= 1  # the EOS / stop token's text is left out, as vLLM does
         stop = None
@@ -432,7 +440,7 @@ class LLMEngine:
             stop = detokenizer.finish()
         if stop is not None:
             if seq.is_finished:  # it also reached its length limit with this token: the stop string wins
-                seq.finish_reason, seq.stop_reason = "stop", stop
+                extras.finish_reason, extras.stop_reason = "stop", stop
             else:
                 self.scheduler.finish(seq, "stop", stop)
             detokenizer.finish()
@@ -471,6 +479,7 @@ class LLMEngine:
         outputs = []
         for sample, text in zip(state.samples, texts, strict=True):
             seq = sample.seq
+            extras = seq.extras
             if delta:  # slices of what is new only: no work that grows with the output's length
                 first = sample.num_sent_tokens
                 token_ids = seq.token_ids[seq.num_prompt_tokens + first:]
@@ -481,8 +490,8 @@ class LLMEngine:
                 token_ids = seq.completion_token_ids
                 logprobs = list(sample.logprobs) if sample.logprobs is not None else None
             outputs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs))
+                index=extras.index, text=text, token_ids=token_ids, finish_reason=extras.finish_reason,
+                stop_reason=extras.stop_reason, cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs))
         prompt_logprobs = list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
         return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
                              outputs=outputs, finished=state.finished, num_cached_tokens=state.num_cached_tokens or 0,
@@ -493,7 +502,7 @@ class LLMEngine:
         detokenizer = sample.detokenizer
         if detokenizer is None:
             return ""
-        if sample.seq.finish_reason != "error":
+        if sample.seq.extras.finish_reason != "error":
             try:
                 self._update_text(sample)
                 return detokenizer.output_text(sample.seq.is_finished)

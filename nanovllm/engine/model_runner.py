@@ -25,6 +25,7 @@ from nanovllm.engine.sampling import (
 )
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.spec_decode.acceptance import accepted_tokens
+from nanovllm.layers.compile import building_compiled
 from nanovllm.layers.quantization.fp8 import (
     add_block_scales,
     checkpoint_block_size,
@@ -80,7 +81,7 @@ class ModelRunner:
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), building_model(self.tp):
+            with torch.device(self.device), building_model(self.tp), building_compiled(config.compile_small_ops):
                 self.model = model_class(hf_config)(hf_config, max_model_len)
                 # an HF fp8 checkpoint: its e4m3 weights and block scales (layers/quantization/fp8.py)
                 fp8_blocks = checkpoint_block_size(hf_config) if config.load_format != "gguf" else None

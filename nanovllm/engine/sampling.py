@@ -58,14 +58,15 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def token_array(seq: Sequence) -> np.ndarray:
     """seq's token ids as int64, cached on the sequence and extended by the new tokens only (they only grow)."""
-    buffer, filled = seq.token_array_cache or (np.empty(0, dtype=np.int64), 0)
+    extras = seq.extras
+    buffer, filled = extras.token_array_cache or (np.empty(0, dtype=np.int64), 0)
     if filled < seq.num_tokens:
         if len(buffer) < seq.num_tokens:
             grown = np.empty(max(seq.num_tokens, 2 * len(buffer)), dtype=np.int64)
             grown[:filled] = buffer[:filled]
             buffer = grown
         buffer[filled:seq.num_tokens] = seq.token_ids[filled:seq.num_tokens]
-        seq.token_array_cache = (buffer, seq.num_tokens)
+        extras.token_array_cache = (buffer, seq.num_tokens)
     return buffer[:seq.num_tokens]
 
 
@@ -86,9 +87,10 @@ def request_generator(seq: Sequence, device: torch.device) -> torch.Generator | 
     seed = seq.sampling_params.seed
     if seed is None:
         return None
-    if seq.generator is None:
-        seq.generator = torch.Generator(device=device).manual_seed((seed + seq.index) & _SEED_MASK)
-    return seq.generator
+    extras = seq.extras
+    if extras.generator is None:
+        extras.generator = torch.Generator(device=device).manual_seed((seed + extras.index) & _SEED_MASK)
+    return extras.generator
 
 
 _GREEDY_ROW = (0.0, 1.0, 0, 0.0)
@@ -108,9 +110,10 @@ def _bans_stop_tokens(seq: Sequence, num_drafted: int = 0) -> bool:
 
 def row_seed_source(seq: Sequence) -> np.random.Generator:
     """The seeded request's own host generator of per-step seeds (sample i of n uses seed + i)."""
-    if seq.generator is None:
-        seq.generator = np.random.default_rng((seq.sampling_params.seed + seq.index) & _SEED_MASK)
-    return seq.generator
+    extras = seq.extras
+    if extras.generator is None:
+        extras.generator = np.random.default_rng((seq.sampling_params.seed + extras.index) & _SEED_MASK)
+    return extras.generator
 
 
 def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.device,
@@ -147,13 +150,14 @@ def build_sampling_tensors(seqs: list[Sequence], vocab_size: int, device: torch.
             if p.seed is not None:
                 generators[i] = row_seed_source(seq) if seed_source is not None else request_generator(seq, device)
         if _bans_stop_tokens(seq, len(drafted[i]) if drafted else 0):
-            banned.extend((i, t) for t in seq.min_tokens_stop_ids)
+            banned.extend((i, t) for t in seq.extras.min_tokens_stop_ids)
         if p.masks_logits:
             if p.logit_bias:
                 biased.extend((i, t, b) for t, b in p.logit_bias.items())
-            if seq.bad_words_token_ids:
+            extras = seq.extras
+            if extras.bad_words_token_ids:
                 banned.extend((i, t) for t in bad_word_tokens(seq))
-            if seq.grammar is not None or p.allowed_token_ids is not None:
+            if extras.grammar is not None or p.allowed_token_ids is not None:
                 masked.append(i)
         if p.has_penalties:
             penalised.append(i)
@@ -216,7 +220,8 @@ def _static_row(seq: Sequence) -> tuple | None:
     greedy), top_p, top_k, min_p, seeded, logprobs width or -1). Rows that mask logits, use penalties or still ban
     stop tokens (min_tokens) are built anew each step. Cached on the sequence: its parameters never change, and a
     min_tokens ban, once over, does not return (the generated tokens only grow)."""
-    row = seq.sampling_row
+    extras = seq.extras
+    row = extras.sampling_row
     if row is None:
         p = seq.sampling_params
         if p.masks_logits or p.has_penalties or _bans_stop_tokens(seq):
@@ -226,7 +231,7 @@ def _static_row(seq: Sequence) -> tuple | None:
             row = (*_GREEDY_ROW, False, logprobs)  # a greedy row's filters do not matter, nor its seed
         else:
             row = (p.temperature, p.top_p, p.top_k, p.min_p, p.seed is not None, logprobs)
-        seq.sampling_row = row
+        extras.sampling_row = row
     return row
 
 
@@ -283,8 +288,9 @@ def token_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
     width = (vocab_size + 31) // 32
     bitmask = torch.full((len(seqs), width), -1, dtype=torch.int32)
     for row, seq in enumerate(seqs):
-        if seq.grammar is not None:
-            seq.grammar.fill_bitmask(bitmask, row)
+        grammar = seq.extras.grammar
+        if grammar is not None:
+            grammar.fill_bitmask(bitmask, row)
         allowed = seq.sampling_params.allowed_token_ids
         if allowed is not None:
             bits = np.zeros(width * 32, dtype=bool)
@@ -299,7 +305,7 @@ def bad_word_tokens(seq: Sequence) -> list[int]:
     the word's other tokens (a one-token word is always banned)."""
     output = seq.token_ids[seq.num_prompt_tokens:]
     banned = []
-    for word in seq.bad_words_token_ids:
+    for word in seq.extras.bad_words_token_ids:
         prefix = word[:-1]
         if not prefix or (len(output) >= len(prefix) and tuple(output[len(output) - len(prefix):]) == prefix):
             banned.append(word[-1])
@@ -352,8 +358,9 @@ def logprob_entries(result: SampledLogprobs, token_ids: list[int], widths: list[
 
 # -- prompt logprobs --------------------------------------------------------------------------------------------
 def wants_prompt_logprobs(seq: Sequence) -> bool:
-    # A tensor-parallel worker's Sequence has only the pickled step state, hence getattr.
-    return getattr(seq, "needs_prompt_logprobs", False)
+    # A tensor-parallel worker's Sequence has only the pickled step state (no extras), hence getattr.
+    extras = getattr(seq, "extras", None)
+    return extras is not None and extras.needs_prompt_logprobs
 
 
 def prompt_logprob_rows(seqs: list[Sequence], indices: list[int]) -> list[tuple[int, int, int]]:

@@ -150,7 +150,7 @@ class Scheduler:
         """
         seq.draft_token_ids = []
         # a grammar's mask of a draft row would need the grammar advanced through the drafts before it
-        if self.proposer is None or seq.grammar is not None:
+        if self.proposer is None or seq.extras.grammar is not None:
             return
         limit = min(budget - others, self.config.max_model_len - seq.num_tokens - 1)
         if seq.max_tokens is not None:
@@ -187,7 +187,7 @@ class Scheduler:
                 return []
             # (settings the sampler found static neither read the history nor wait for min_tokens: engine/sampling.py)
             params = seq.sampling_params
-            if seq.sampling_row is None and (params.min_tokens > seq.num_tokens - seq.num_prompt_tokens
+            if seq.extras.sampling_row is None and (params.min_tokens > seq.num_tokens - seq.num_prompt_tokens
                                              or params.reads_output):
                 return []
             after = seq.num_tokens + 1  # once the token in flight is appended
@@ -211,7 +211,7 @@ class Scheduler:
         """A request that wants prompt_logprobs computes its whole prompt: a cache hit would skip the rows its
         logprobs come from (vLLM skips reading the cache for it too). Its blocks are still published."""
         saved = self.block_manager.enable_prefix_caching
-        if seq.needs_prompt_logprobs:
+        if seq.extras.needs_prompt_logprobs:
             self.block_manager.enable_prefix_caching = False
         try:
             yield
@@ -351,7 +351,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
+        seq.extras.finish_reason = reason
+        seq.extras.stop_reason = stop_reason
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from copy import copy
+from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
+from typing import TYPE_CHECKING, Any
 
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.engine.spec_decode.proposer import SpecState
+    from nanovllm.structured_outputs import RequestGrammar
 
 
 class SequenceStatus(Enum):
@@ -19,6 +25,29 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+@dataclass(slots=True)
+class SequenceExtras:
+    """What the engine keeps per sample of a request beyond the Sequence's scheduling and KV state: who it belongs
+    to, why it finished, and the sampler's per-request state. The engine creates it (``LLMEngine.add_request``);
+    it stays in the engine's process (a tensor-parallel worker's Sequence has none)."""
+
+    request_id: str | None = None
+    index: int = 0  # which of the request's n samples this is
+    finish_reason: str | None = None  # why it finished: "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+    min_tokens_stop_ids: tuple[int, ...] = ()  # EOS + stop_token_ids, masked until min_tokens
+    needs_prompt_logprobs: bool = False  # the runner computes logits on its prompt rows while set
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # bad_words as token ids (engine/sampling.py)
+    grammar: RequestGrammar | None = None  # a structured-outputs request's matcher (nanovllm/structured_outputs)
+    # Made on first use: a seeded request's generator (torch, or numpy's for per-step seeds); (numpy buffer,
+    # filled) of token_ids for penalties; its sampling settings once they are static (all engine/sampling.py);
+    # its proposal history (engine/spec_decode).
+    generator: Any = None
+    token_array_cache: tuple | None = None
+    sampling_row: tuple | None = None
+    spec_state: SpecState | None = None
+
+
 class Sequence:
     # The default KV block size only: each Sequence carries its own (its engine's kvcache_block_size), since
     # engines with different block sizes can share a process. No engine writes this class attribute.
@@ -27,7 +56,7 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
-                 block_size: int | None = None):
+                 block_size: int | None = None, extras: SequenceExtras | None = None):
         self.seq_id = next(Sequence.counter)
         # an instance attribute, read by the block arithmetic below in place of the class default
         self.block_size = Sequence.block_size if block_size is None else block_size
@@ -48,26 +77,15 @@ class Sequence:
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
-        # Beyond the contract: the full parameters, prefix-cache hashes of the full blocks computed so far,
-        # and why the request finished.
+        # Beyond the contract, scheduling and KV state: the full parameters (the scheduler's stop checks and the
+        # sampler read them every step), the prefix-cache hashes of the full blocks computed so far, and the
+        # draft tokens this step verifies after last_token (speculative decoding: the scheduler sets them, they
+        # are not in token_ids until accepted, and a worker gets them with the step).
         self.sampling_params = sampling_params
         self.block_hashes: list[int] = []
-        self.finish_reason: str | None = None
-        self.request_id: str | None = None
-        # Sampling state beyond the contract (the engine process only: none of it is pickled to workers).
-        self.index = 0  # which of the request's n samples this is
-        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
-        self.min_tokens_stop_ids: tuple[int, ...] = ()  # EOS + stop_token_ids, masked until min_tokens
-        self.needs_prompt_logprobs = False  # the runner computes logits on its prompt rows while set
-        self.generator = None  # torch.Generator of a seeded request, created by the sampler on first use
-        self.token_array_cache = None  # (numpy buffer, filled) of token_ids, for penalties (engine/sampling.py)
-        self.sampling_row = None  # its sampling settings once they are static (engine/sampling.py)
-        self.grammar = None  # RequestGrammar of a structured-outputs request (nanovllm/structured_outputs)
-        self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # bad_words as token ids (engine/sampling.py)
-        # Speculative decoding: the draft tokens this step verifies after last_token (the scheduler sets them;
-        # they are not in token_ids until accepted), and the request's proposal history (engine/spec_decode).
         self.draft_token_ids: list[int] = []
-        self.spec_state = None
+        # Everything else the engine keeps per request: one object, never pickled to workers.
+        self.extras = SequenceExtras() if extras is None else extras
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.compile import cuda_compiled
+from nanovllm.layers.compile import cuda_compiled, eager_unless_compiling
 
 
 @cuda_compiled
@@ -16,5 +16,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._silu_and_mul = eager_unless_compiling(silu_and_mul)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return self._silu_and_mul(x)

@@ -8,11 +8,20 @@ the weight. A new weight format (fp8, a fused MoE's experts) is one more subclas
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import skinny_gemm
 from nanovllm.layers.norm import RMSNorm
+
+
+@functools.cache
+def _skinny_gemm():
+    """kernels/skinny_gemm.py, imported on the first CUDA product: it imports Triton, whose library alone keeps
+    ~66 MB resident in a CPU engine that never launches it."""
+    from nanovllm.kernels import skinny_gemm
+    return skinny_gemm
 
 
 class LinearMethod:
@@ -23,16 +32,20 @@ class LinearMethod:
     owns_weight = False
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if skinny_gemm.takes(x, layer.weight):
-            return skinny_gemm.skinny_linear(x, layer.weight, bias)
+        if x.is_cuda:
+            skinny_gemm = _skinny_gemm()
+            if skinny_gemm.takes(x, layer.weight):
+                return skinny_gemm.skinny_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def apply_silu_and_mul(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                            act: torch.nn.Module) -> torch.Tensor:
         """act(x W^T + b) for SwiGLU's packed [gate | up] projection, act being its silu(gate) * up; the default
         method does both in one kernel where the few-row kernel takes the product."""
-        if not self.owns_weight and skinny_gemm.takes(x, layer.weight, gated=True):
-            return skinny_gemm.skinny_linear(x, layer.weight, bias, gated=True)
+        if not self.owns_weight and x.is_cuda:  # (a method that owns its weight may take a RowScaled x)
+            skinny_gemm = _skinny_gemm()
+            if skinny_gemm.takes(x, layer.weight, gated=True):
+                return skinny_gemm.skinny_linear(x, layer.weight, bias, gated=True)
         return act(self.apply(layer, x, bias))
 
     def apply_normed(self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
@@ -41,10 +54,10 @@ class LinearMethod:
         which is ``apply``'s, or ``apply_silu_and_mul``'s when act is given. The default method does the three in one
         kernel where the few-row kernel takes the product; otherwise the norm runs first, as it is."""
         gated = act is not None
-        if (not self.owns_weight and isinstance(norm, RMSNorm) and norm.weight.dtype == x.dtype
-                and skinny_gemm.takes(x, layer.weight, gated)):
-            return skinny_gemm.skinny_linear_normed(x, residual, norm.weight, norm.eps, layer.weight, bias,
-                                                    gated=gated)
+        if (not self.owns_weight and x.is_cuda and isinstance(norm, RMSNorm) and norm.weight.dtype == x.dtype
+                and _skinny_gemm().takes(x, layer.weight, gated)):
+            return _skinny_gemm().skinny_linear_normed(x, residual, norm.weight, norm.eps, layer.weight, bias,
+                                                       gated=gated)
         hidden, residual = norm(x, residual)
         out = self.apply_silu_and_mul(layer, hidden, bias, act) if gated else self.apply(layer, hidden, bias)
         return out, residual

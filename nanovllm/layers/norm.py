@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.layers.compile import cuda_compiled
+from nanovllm.layers.compile import cuda_compiled, eager_unless_compiling
 
 
 @cuda_compiled
@@ -28,9 +28,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self._rms_norm, self._add_rms_norm = eager_unless_compiling(rms_norm), eager_unless_compiling(add_rms_norm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return self._rms_norm(x, self.weight, self.eps)
+        return self._add_rms_norm(x, residual, self.weight, self.eps)

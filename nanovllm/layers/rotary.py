@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.layers.compile import cuda_compiled
+from nanovllm.layers.compile import cuda_compiled, eager_unless_compiling
 
 
 def rope_parameters(config) -> dict:
@@ -46,10 +46,11 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim] each; float32, cast to the activations' dtype on use
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self._apply_rotary = eager_unless_compiling(apply_rotary)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
-        return apply_rotary(positions, q, k, self.cos, self.sin)
+        return self._apply_rotary(positions, q, k, self.cos, self.sin)
 
     def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int):
         """(q, k) rotated, from their heads side by side ([num_tokens, q heads + k heads, head_dim], e.g. a view of

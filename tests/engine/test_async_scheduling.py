@@ -113,9 +113,9 @@ def test_abort_while_a_step_is_in_flight(tiny_qwen3):
     finished = {}
     while engine.has_unfinished_requests():
         for seq in engine.step():
-            assert seq.request_id != ids[1], "an aborted request gets no more tokens"
-            if engine.is_request_finished(seq.request_id):
-                finished[seq.request_id] = engine.pop_finished(seq.request_id)
+            assert seq.extras.request_id != ids[1], "an aborted request gets no more tokens"
+            if engine.is_request_finished(seq.extras.request_id):
+                finished[seq.extras.request_id] = engine.pop_finished(seq.extras.request_id)
     assert sorted(finished) == sorted(set(ids) - {ids[1]})
     assert all(len(o.outputs[0].token_ids) == 30 for o in finished.values())
     assert_all_free(ahead)
@@ -134,8 +134,8 @@ def test_new_requests_join_between_planned_steps(tiny_qwen3):
     outputs = {}
     while engine.has_unfinished_requests():
         for seq in engine.step():
-            if engine.is_request_finished(seq.request_id):
-                outputs[seq.request_id] = engine.pop_finished(seq.request_id)
+            if engine.is_request_finished(seq.extras.request_id):
+                outputs[seq.extras.request_id] = engine.pop_finished(seq.extras.request_id)
     assert [outputs[i].outputs[0].token_ids for i in first + later] == [o.token_ids for o in expected]
     assert_all_free(ahead)
 

@@ -1,8 +1,10 @@
 """Memory on the CPU: the KV pool has the size in bytes it was given (by default what the limits can use, within
 2 GiB) and never grows, and becomes resident as its blocks are written; resident memory is flat across repeated
-batches; `nanovllm generate` on the embedded model stays under 1.5 GiB plus its pool."""
+batches; `nanovllm generate` on the embedded model stays under 1.5 GiB plus its pool; a prompt burst holds little beyond
+the KV pages it writes."""
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -103,3 +105,71 @@ def test_pool_memory_is_taken_as_blocks_are_written(tiny_qwen3):
     assert len(out[0].token_ids) == 8
     assert resident_bytes() - before < 128 * MiB
     llm.close()
+
+
+# The engine as the server's core runs it (defaults, one thread, the heap trimmed after loading), then a burst of
+# sixteen distinct ~570-token prompts at once: what the burst's steps hold beyond the KV pages they wrote.
+BURST_SCRIPT = r"""
+import json, sys, torch
+torch.set_num_threads(1)
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.host_memory import HeapTrimmer
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+def pool_resident(pool):
+    start = pool.data_ptr()
+    rss, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= start < high
+        elif inside and head == "Rss:":
+            rss += int(line.split()[1]) * 1024
+    return rss
+
+llm = LLM()
+HeapTrimmer().trim(busy=False)
+pool = llm.runner.kv_cache
+start, pool_start = status("VmRSS"), pool_resident(pool)
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here
+words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
+prompts = [f"{i}: " + " ".join(words[(i * 7 + j * 3) % len(words)] + str((i * j) % 97) for j in range(200))
+           for i in range(16)]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+print(json.dumps(dict(start=start, peak=status("VmHWM"), pool_written=pool_resident(pool) - pool_start,
+                      pool=pool.nbytes, prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+                      triton="triton" in sys.modules)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc (clear_refs, smaps)")
+def test_a_prompt_burst_on_the_embedded_model_holds_little_beyond_its_kv_pages():
+    """The server's target (#29): under 1 GB resident with defaults, a burst of prefills included. What a burst
+    adds is the pool's written pages and each step's working memory; the latter grows with the step's token
+    budget (8,192 tokens held ~340 MB on this model, the CPU default of 1,024 ~60-90 MB with what the heap keeps
+    between trims) and would put the core past the target with a full pool. The bounds sit between today's
+    figures and a regressed step budget's, or a CPU engine importing Triton again."""
+    from nanovllm.loader.default_model import embedded_model_path
+    try:
+        embedded_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    # the defaults as a server has them: without the float32 the test session chooses for its HF comparisons
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANOVLLM_CPU_")}
+    done = subprocess.run([sys.executable, "-c", BURST_SCRIPT], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    m = json.loads(done.stdout.strip().splitlines()[-1])
+    assert m["prompt_tokens"] > 16 * 500, m
+    assert not m["triton"], "a CPU engine imported Triton (its library alone is ~66 MB resident)"
+    working = m["peak"] - m["start"] - m["pool_written"]
+    assert working < 150 * MiB, f"the burst's steps held {working / MiB:.0f} MiB beyond the KV pages they wrote"
+    # the core with its whole pool written (as a burst of 32 such prompts leaves it) and this working memory
+    projected = m["start"] + m["pool"] + working
+    assert projected < 950 * MiB, (f"core at {m['start'] / MiB:.0f} MiB after loading + a {m['pool'] / MiB:.0f} "
+                                   f"MiB pool + {working / MiB:.0f} MiB of step memory")

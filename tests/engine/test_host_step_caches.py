@@ -35,8 +35,8 @@ def make_seqs() -> list[Sequence]:
     seqs = []
     for i, params in enumerate(SETTINGS):
         seq = Sequence([3 + i, 4, 5], params, block_size=4)
-        seq.index = i % 2
-        seq.min_tokens_stop_ids = (2,) if params.min_tokens else ()
+        seq.extras.index = i % 2
+        seq.extras.min_tokens_stop_ids = (2,) if params.min_tokens else ()
         seqs.append(seq)
     return seqs
 
@@ -68,8 +68,8 @@ def test_cached_sampling_tensors_equal_a_fresh_build_as_rows_change():
             if step in (6, 7):  # the min_tokens request generates: its ban ends after two tokens
                 cached_seqs[7].append_token(9)
                 fresh_seqs[7].append_token(9)
-        assert cached_seqs[7].sampling_row is not None  # static once its ban ended, and cached from then on
-        assert cached_seqs[8].sampling_row is None
+        assert cached_seqs[7].extras.sampling_row is not None  # static once its ban ended, and cached from then on
+        assert cached_seqs[8].extras.sampling_row is None
 
 
 def test_a_hit_reuses_the_tensors_and_draws_new_seeds():
@@ -142,7 +142,7 @@ def test_decode_postprocess_stops_exactly_where_check_stop_says():
         sched.postprocess(batch, [cases[n][1][step] for n in names])
     for name, (_, _, reason, kept) in cases.items():
         seq = seqs[name]
-        assert (seq.finish_reason, seq.stop_reason) == reason, name
+        assert (seq.extras.finish_reason, seq.extras.stop_reason) == reason, name
         assert seq.num_completion_tokens == kept, name
     assert sched.is_finished() and sched.block_manager.num_free_blocks == 64
     assert sched.stats.num_decode_tokens_computed == sum(kept - 1 for *_, kept in cases.values())

@@ -71,7 +71,7 @@ def test_preempts_newest_and_finishes_everyone():
         guard += 1
         assert guard < 200, "the scheduler stopped making progress"
     assert sched.stats.num_preemptions > 0
-    assert all(s.finish_reason == "length" and s.num_completion_tokens == 4 for s in seqs)
+    assert all(s.extras.finish_reason == "length" and s.num_completion_tokens == 4 for s in seqs)
     assert sched.block_manager.num_free_blocks == 4
 
 
@@ -92,7 +92,7 @@ def test_abort_frees_blocks():
     sched.add(a)
     step(sched)
     assert sched.abort(a)
-    assert a.finish_reason == "abort" and sched.is_finished()
+    assert a.extras.finish_reason == "abort" and sched.is_finished()
     assert sched.block_manager.num_free_blocks == 64
 
 
@@ -158,5 +158,5 @@ def test_undo_step_takes_back_the_shared_blocks_and_requeues_the_prefills():
     assert a.num_scheduled_tokens == 1 and a.num_tokens == 10, "decodes simply repeat"
     while not sched.is_finished():
         step(sched)
-    assert all(s.finish_reason == "length" for s in (a, b, c, d))
+    assert all(s.extras.finish_reason == "length" for s in (a, b, c, d))
     assert bm.num_free_blocks == bm.num_blocks

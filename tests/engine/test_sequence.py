@@ -3,7 +3,7 @@ import pickle
 import pytest
 
 from nanovllm import SamplingParams
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceExtras, SequenceStatus
 
 
 @pytest.fixture(autouse=True)
@@ -56,3 +56,16 @@ def test_pickle_ships_tokens_only_in_prefill():
     assert state[6] == 42, "decode ships only the last token (after the step's draft tokens)"
     copy = pickle.loads(pickle.dumps(seq))
     assert copy.token_ids == [] and copy.last_token == 42 and not copy.is_prefill and copy.num_tokens == 11
+
+
+def test_extras_are_one_object_that_stays_in_the_engine_process():
+    extras = SequenceExtras(request_id="r", index=1, needs_prompt_logprobs=True, min_tokens_stop_ids=(2,))
+    seq = Sequence(list(range(5)), extras=extras)
+    assert seq.extras is extras
+    assert Sequence([1]).extras is not Sequence([1]).extras, "each sequence gets its own by default"
+    with pytest.raises(AttributeError):
+        extras.request = "r"  # slots: a misspelt field is an error, not a new attribute
+    state = seq.__getstate__()
+    assert not any(isinstance(item, SequenceExtras) or item == "r" for item in state)
+    copy = pickle.loads(pickle.dumps(seq))
+    assert not hasattr(copy, "extras") and not hasattr(copy, "sampling_params")

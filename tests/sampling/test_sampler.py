@@ -140,7 +140,7 @@ def test_logits_are_not_modified_in_place():
                              frequency_penalty=1.0, min_tokens=3, logprobs=2) for _ in range(4)]
     seqs = [seq_with(p, prompt=[1, 2, 3], output=[4, 4]) for p in params]
     for s in seqs:
-        s.min_tokens_stop_ids = (7,)
+        s.extras.min_tokens_stop_ids = (7,)
     Sampler()(logits, build_sampling_tensors(seqs, 50, CPU), torch.Generator().manual_seed(0))
     assert torch.equal(logits, before)
 
@@ -188,7 +188,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[6])
     seqs = [seq_with(params, output=out) for out in ([], [1], [1, 1])]
     for s in seqs:
-        s.min_tokens_stop_ids = (4, 6)
+        s.extras.min_tokens_stop_ids = (4, 6)
     logits[:, 6] = 9.0
     tokens = Sampler()(logits, build_sampling_tensors(seqs, vocab, CPU)).token_ids.tolist()
     assert tokens[0] not in (4, 6) and tokens[1] not in (4, 6)
@@ -204,7 +204,7 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
               SamplingParams(temperature=1.0, logprobs=0),
               SamplingParams(temperature=0, logprobs=2, min_tokens=1)]
     seqs = [seq_with(p, prompt=[1, 2], output=[]) for p in params]
-    seqs[3].min_tokens_stop_ids = (int(logits[3].argmax()),)  # the raw argmax is masked: sampled rank is 2
+    seqs[3].extras.min_tokens_stop_ids = (int(logits[3].argmax()),)  # the raw argmax is masked: sampled rank is 2
     tensors = build_sampling_tensors(seqs, vocab, CPU)
     out = Sampler()(logits, tensors, g)
     reference = torch.log_softmax(logits.double(), dim=-1)

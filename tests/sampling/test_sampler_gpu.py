@@ -20,7 +20,7 @@ def seqs_for(params_list, output=(3, 3, 4)):
         seq = Sequence([1, 2, 3], p)
         for t in output:
             seq.append_token(t)
-        seq.min_tokens_stop_ids = (0,)
+        seq.extras.min_tokens_stop_ids = (0,)
         seqs.append(seq)
     return seqs
 

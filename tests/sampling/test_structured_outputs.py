@@ -71,7 +71,7 @@ def test_constrained_requests_in_an_asynchronously_scheduled_batch(tiny_text_mod
 
     def spy(in_flight):
         seqs = original(in_flight)
-        planned.extend(s.grammar is not None for s in seqs)
+        planned.extend(s.extras.grammar is not None for s in seqs)
         return seqs
 
     ahead.scheduler.schedule_ahead = spy
@@ -123,7 +123,7 @@ def test_bitmask_of_allowed_token_ids_and_its_application():
 
 def test_bad_words_ban_the_last_token_after_the_others():
     seq = Sequence([9, 9], SamplingParams(bad_words=["x"]))
-    seq.bad_words_token_ids = ((5,), (6, 7), (6, 8, 3))
+    seq.extras.bad_words_token_ids = ((5,), (6, 7), (6, 8, 3))
     assert bad_word_tokens(seq) == [5]  # nothing generated yet: only the one-token word
     seq.append_token(6)
     assert bad_word_tokens(seq) == [5, 7]

@@ -70,12 +70,12 @@ def test_verify_rows_count_their_draft_prefix_as_generated():
                             min_tokens=3, stop_token_ids=[9])
     seq = Sequence([4, 5, 6], params)
     seq.append_token(7)
-    seq.min_tokens_stop_ids = (2, 9)
+    seq.extras.min_tokens_stop_ids = (2, 9)
     drafts = [[], [8], [8, 7]]
     rows = build_sampling_tensors([seq] * 3, 12, torch.device("cpu"), None, drafts)
     for j, draft in enumerate(drafts):
         plain = Sequence([4, 5, 6], params)
-        plain.min_tokens_stop_ids = (2, 9)
+        plain.extras.min_tokens_stop_ids = (2, 9)
         for t in [7, *draft]:
             plain.append_token(t)
         alone = build_sampling_tensors([plain], 12, torch.device("cpu"))

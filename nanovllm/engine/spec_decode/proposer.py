@@ -16,7 +16,7 @@ MAX_PAUSE_STEPS = 32
 
 @dataclass
 class SpecState:
-    """A request's speculation history (kept on its Sequence)."""
+    """A request's speculation history (kept in its Sequence's extras)."""
 
     pause: int = 0  # steps left without proposing
     next_pause: int = 1  # the pause after the next draft rejected outright
@@ -28,9 +28,10 @@ class NgramProposer:
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Draft tokens for seq's next step (at most ``max_tokens``); [] to decode plainly."""
-        state = seq.spec_state
+        extras = seq.extras
+        state = extras.spec_state
         if state is None:
-            state = seq.spec_state = SpecState()
+            state = extras.spec_state = SpecState()
         if state.pause > 0:
             state.pause -= 1
             return []
@@ -42,18 +43,20 @@ class NgramProposer:
 
     def may_propose(self, seq: Sequence) -> bool:
         """Whether seq could get a draft next step (it is not pausing)."""
-        return seq.spec_state is None or seq.spec_state.pause == 0
+        state = seq.extras.spec_state
+        return state is None or state.pause == 0
 
     @staticmethod
     def pass_step(seq: Sequence) -> None:
         """seq decodes plainly in a step planned without asking for a draft (a pause step)."""
-        if seq.spec_state is not None and seq.spec_state.pause > 0:
-            seq.spec_state.pause -= 1
+        state = seq.extras.spec_state
+        if state is not None and state.pause > 0:
+            state.pause -= 1
 
     @staticmethod
     def observe(seq: Sequence, num_accepted: int) -> None:
         """The verify step kept ``num_accepted`` of seq's draft tokens."""
-        state = seq.spec_state
+        state = seq.extras.spec_state
         if num_accepted == 0:
             state.pause = state.next_pause
             state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
