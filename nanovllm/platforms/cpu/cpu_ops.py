@@ -468,8 +468,8 @@ def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
 def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None,
                   row_scale: torch.Tensor | None = None, passes: int = 2) -> torch.Tensor:
     """x W^T (+ b) for x [..., in] float32 and a BlockWeight: x's rows quantized in blocks of 32 as linear_i8's,
-    passes 2: then what that rounding left out quantized the same way, its product added (activations to ~15
-    bits);
+    passes 2: then what that rounding left out, to int8 steps 256 times finer, its integer sums joined with the
+    first pass's (activations to ~15 bits; cpu_ops.c, quantize_row_blocks);
     row_scale [rows] or [rows, 1] (2-D x only): the input is x's rows times it."""
     if passes not in (1, 2):
         raise ValueError(f"passes must be 1 or 2, got {passes}")
