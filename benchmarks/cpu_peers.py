@@ -291,7 +291,7 @@ def main() -> None:
     for name, row in best.items():
         print(f"{name:<48}{row['tokens']:>8}{row['seconds']:>10.2f}{row['tok_s']:>10.1f}")
     ratios = {}
-    targets = [("single", "llama.cpp single", 0.5), ("concurrent", "llama.cpp single", 5.0),
+    targets = [("single", "llama.cpp single", 0.8), ("concurrent", "llama.cpp single", 8.0),
                ("concurrent", f"HF generate padded batch {args.hf_batch}", 4.0),
                ("single", "HF generate batch 1", None)]
     print()

@@ -61,24 +61,26 @@ def test_other_weights_take_8_bit_blocks_and_odd_shapes_none() -> None:
     assert cpu_ops.block_weight(torch.randn(16, 48)) is None  # in not a multiple of 32
 
 
-def quantized_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] -> (int8 values [rows, blocks, 32], steps [rows, blocks]) as the kernels round: x * (127 / max)."""
+def quantized_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, in] -> (int8 values [rows, blocks, 32], steps [rows, blocks], 127 / max [rows, blocks, 1]) as the
+    kernels round: x * (127 / max) to the nearest integer."""
     xb = x.reshape(x.shape[0], -1, BLOCK)
     largest = xb.abs().amax(dim=2, keepdim=True)
-    return torch.round(xb * (127 / largest)).clamp(-127, 127), (largest / 127)[..., 0]
+    return torch.round(xb * (127 / largest)).clamp(-127, 127), (largest / 127)[..., 0], 127 / largest
 
 
 def blocks_reference(x: torch.Tensor, weight: cpu_ops.BlockWeight, passes: int) -> torch.Tensor:
     """The product linear_blocks computes: x's rows quantized in blocks of 32 (symmetric), each block's integer
-    sums exact, then scaled (float64); passes 2: plus the same of what the first rounding left out."""
+    sums exact, then scaled (float64); passes 2: plus the same of what the first rounding left out, rounded to
+    steps 256 times finer than the first pass's."""
     out_features = weight.shape[0]
     w = cpu_ops.dequantize_blocks(weight).double().view(out_features, -1, BLOCK)
-    total, left = 0, x
-    for _ in range(passes):
-        xq, xs = quantized_blocks(left)
-        total = total + torch.einsum("rbk,obk->rbo", xq.double(), w).mul(xs.double()[..., None]).sum(1)
-        left = left - (xq * xs[..., None]).view_as(left)
-    return total
+    xq, xs, inverse = quantized_blocks(x)
+    if passes == 2:
+        left = x.view_as(xq) - xq * xs[..., None]
+        xq = xq * 256 + torch.round(left * (inverse * 256)).clamp(-127, 127)
+        xs = xs / 256
+    return torch.einsum("rbk,obk->rbo", xq.double(), w).mul(xs.double()[..., None]).sum(1)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
@@ -127,7 +129,10 @@ def test_rows_dequantized_alone_are_the_whole_weights_rows(kind) -> None:
     weight, _ = gguf_weight(kind, 64, 96 * 2, seed=3)
     blocks = cpu_ops.block_weight(weight)
     rows = torch.tensor([5, 0, 63, 17, 5, 31, 16, 15])  # across tiles, repeated, out of order
-    assert torch.equal(cpu_ops.dequantize_rows(blocks, rows), weight[rows])
+    assert torch.equal(cpu_ops.dequantize_rows(blocks, rows), weight[rows])  # the compiled lookup
+    assert torch.equal(cpu_ops.dequantize_rows_torch(blocks, rows), weight[rows])
+    with pytest.raises(IndexError, match=r"outside \[0, 64\): \[64, -1\]"):
+        cpu_ops.dequantize_rows(blocks, torch.tensor([3, 64, -1]))
 
 
 def tied_embedding_and_head(weight: torch.Tensor):

@@ -772,15 +772,22 @@ void linear_i8_tiles_f32(const float *x, const float *row_scale, const int8_t *w
    y[r, c] = sum_b xs[r, b] * (d[c, b] * sum_{i in b} q[c, i] * xq[r, i] + m[c, b] * sum_{i in b} xq[r, i]):
    weights in blocks of 32 inputs of one output channel, each block with a float16 scale d and (4-bit) a float16
    offset m: w = d * q + m with q in [0, 15] (Q4_1 as GGUF stores it; Q4_0 is m = -8 d), or w = d * q with q in
-   [-127, 127] (Q8_0). Each row of x is quantized in blocks of 32 as above (linear_i8's numbers). Weights are laid
-   out in tiles of 16 output channels: 8-bit tiles [in / 4][16][4] bytes (linear_i8_tiles' layout), 4-bit tiles
-   [in / 8][16][4] bytes, byte i of a channel's group of 8 inputs holding input i in its low nibble and input
-   i + 4 in its high one; d and m [out / 16][in / 32][16]. Multiplying an unsigned by a signed byte (VNNI's
-   dpbusd, AVX2's maddubs), the 4-bit q go in as they are and the 8-bit ones as q + 128, the excess taken back
-   through 128 * the block's sum of xq. One kernel takes every row count: a tile's weights are read once for up
-   to 6 rows (a step of a row or two is bound by reading the weights: 4-bit blocks are 0.625 bytes a weight). */
-#define QTILE_ROWS 6
+   [-127, 127] (Q8_0). Weights are laid out in tiles of 16 output channels: 8-bit tiles [in / 4][16][4] bytes
+   (linear_i8_tiles' layout), 4-bit tiles [in / 8][16][4] bytes, byte i of a channel's group of 8 inputs holding
+   input i in its low nibble and input i + 4 in its high one; d and m [out / 16][in / 32][16]. Multiplying an
+   unsigned by a signed byte (VNNI's dpbusd, AVX2's maddubs), the 4-bit q go in as they are and the 8-bit ones as
+   q + 128, the excess taken back through 128 * the block's sum of xq. One kernel takes every row count: a tile's
+   weights are read once for up to 6 int8 rows (a step of a row or two is bound by reading the weights: 4-bit
+   blocks are 0.625 bytes a weight).
+
+   Activations (quantize_row_blocks): each row of x in blocks of 32, pass 1 to int8 steps of the block's largest
+   magnitude / 127; with two passes, what that rounding left out (at most half a step) to int8 steps 256 times
+   finer. A block's input is then xq = 256 q1 + q2 (~15 bits) in steps of step / 256, and the two passes' integer
+   sums are joined as 256 dot1 + dot2 before one conversion to float: the second pass costs its integer products
+   only. */
+#define QTILE_ROWS 6 /* int8 rows a kernel call multiplies: 6 rows of one pass, 3 of two */
 #define QTILE_GROUP 2
+#define QPASS_SHIFT 8 /* pass 2's steps are 2^8 times finer than pass 1's */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QBLOCKS_SIMD 2
 #elif defined(HAVE_AVX2)
@@ -813,14 +820,84 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+/* QBLOCK floats times inv, rounded to the nearest integer (ties to even, as lrintf and cvtps in the default
+   rounding mode), clamped to [-127, 127], into q; returns their sum. left (or NULL): src - q * step, with one
+   rounding (a fused multiply-add in every build). */
+static inline int32_t round_block(const float *src, float inv, float step, int8_t *q, float *left) {
 #if QBLOCKS_SIMD == 2
-/* R rows x T tiles; dot: int32 sums of one block, acc: float sums */
+  const __m512 vi = _mm512_set1_ps(inv), vs = _mm512_set1_ps(step);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  __m512i total = _mm512_setzero_si512();
+  for (int i = 0; i < QBLOCK; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    const __m512i n = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, vi)), lo), hi);
+    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(n));
+    total = _mm512_add_epi32(total, n);
+    if (left) _mm512_storeu_ps(left + i, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(n), vs, v));
+  }
+  return _mm512_reduce_add_epi32(total);
+#elif QBLOCKS_SIMD == 1
+  const __m256 vi = _mm256_set1_ps(inv), vs = _mm256_set1_ps(step);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i n[4], total = _mm256_setzero_si256();
+  for (int k = 0; k < 4; k++) {
+    const __m256 v = _mm256_loadu_ps(src + 8 * k);
+    n[k] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, vi)), lo), hi);
+    total = _mm256_add_epi32(total, n[k]);
+    if (left) _mm256_storeu_ps(left + 8 * k, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(n[k]), vs, v));
+  }
+  /* packs work within 128-bit lanes: [0-3 8-11 | 4-7 12-15] then [.. 16-19 24-27 ..]; the permute puts them back */
+  const __m256i words = _mm256_packs_epi32(n[0], n[1]), words2 = _mm256_packs_epi32(n[2], n[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i *)q, bytes);
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+#else
+  int32_t total = 0;
+  for (int i = 0; i < QBLOCK; i++) {
+    long n = lrintf(src[i] * inv);
+    n = n < -127 ? -127 : n > 127 ? 127 : n;
+    q[i] = (int8_t)n;
+    total += (int32_t)n;
+    if (left) left[i] = fmaf(-(float)n, step, src[i]);
+  }
+  return total;
+#endif
+}
+
+/* One row of x (in floats; row_scale: the input is x times it) as the block kernels read it: q [passes][in] int8,
+   and per block xs (the step of xq = 256 q1 + q2, or q1), xsum (the block's sum of xq) and xms = xs * xsum. */
+static void quantize_row_blocks(const float *x, int64_t in, int passes, float row_scale, int8_t *q, float *xs,
+                                int32_t *xsum, float *xms) {
+  for (int64_t b = 0; b < in / QBLOCK; b++) {
+    const float *src = x + b * QBLOCK;
+    float amax = 0.0f;
+    for (int i = 0; i < QBLOCK; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float step = amax / 127.0f, left[QBLOCK];
+    int32_t total = round_block(src, inv, step, q + b * QBLOCK, passes == 2 ? left : NULL);
+    if (passes == 2) {
+      const float fine = (float)(1 << QPASS_SHIFT);
+      total = total * (1 << QPASS_SHIFT) + round_block(left, inv * fine, 0.0f, q + in + b * QBLOCK, NULL);
+      step /= fine;
+    }
+    xs[b] = step * row_scale;
+    xsum[b] = total;
+    xms[b] = xs[b] * (float)total;
+  }
+}
+
+#if QBLOCKS_SIMD == 2
+/* R int8 rows (R / P rows of P passes) x T tiles; dot: int32 sums of one block, acc: float sums */
 static inline __attribute__((always_inline)) void blocks_kernel(const int R, const int T, const int bits,
-    const int8_t *xq, const float *xs, const float *xms, const int32_t *x128, const uint8_t *w, int64_t tile_bytes,
-    const uint16_t *d, const uint16_t *m, int64_t in, float *sums) {
+    const int P, const int8_t *xq, const float *xs, const float *xms, const int32_t *xsum, const uint8_t *w,
+    int64_t tile_bytes, const uint16_t *d, const uint16_t *m, int64_t in, float *sums) {
   const int64_t blocks = in / QBLOCK;
   __m512 acc[QTILE_ROWS][QTILE_GROUP];
-  for (int r = 0; r < R; r++)
+  for (int r = 0; r < R / P; r++)
     for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
   for (int64_t b = 0; b < blocks; b++) {
@@ -856,16 +933,17 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (t * blocks + b) * TILE)));
       const __m512 mv = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + (t * blocks + b) * TILE)))
                                   : _mm512_setzero_ps();
-      for (int r = 0; r < R; r++) {
-        __m512i sum = dot[r][t];
-        if (bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(x128[r * blocks + b]));
+      for (int r = 0; r < R / P; r++) {
+        __m512i sum = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(dot[2 * r][t], QPASS_SHIFT), dot[2 * r + 1][t])
+                             : dot[r][t];
+        if (bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xsum[r * blocks + b]));
         acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), dv), _mm512_set1_ps(xs[r * blocks + b]),
                                     acc[r][t]);
         if (bits == 4) acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xms[r * blocks + b]), acc[r][t]);
       }
     }
   }
-  for (int r = 0; r < R; r++)
+  for (int r = 0; r < R / P; r++)
     for (int t = 0; t < T; t++) _mm512_storeu_ps(sums + (r * QTILE_GROUP + t) * TILE, acc[r][t]);
 }
 #elif QBLOCKS_SIMD == 1
@@ -873,12 +951,12 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
    maddubs' 16-bit pair sums (<= 2 * 15 * 127) add up over a block's 8 products before widening (<= 30,480). 8-bit:
    |q| times xq with q's sign (pair sums <= 2 * 127^2), widened after each product. */
 static inline __attribute__((always_inline)) void blocks_kernel(const int R, const int T, const int bits,
-    const int8_t *xq, const float *xs, const float *xms, const int32_t *x128, const uint8_t *w, int64_t tile_bytes,
-    const uint16_t *d, const uint16_t *m, int64_t in, float *sums) {
-  (void)T; (void)x128;
+    const int P, const int8_t *xq, const float *xs, const float *xms, const int32_t *xsum, const uint8_t *w,
+    int64_t tile_bytes, const uint16_t *d, const uint16_t *m, int64_t in, float *sums) {
+  (void)T; (void)tile_bytes;
   const int64_t blocks = in / QBLOCK;
   __m256 acc[QTILE_ROWS][2];
-  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R / P; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; b++) {
     __m256i dot[QTILE_ROWS][2];
@@ -915,67 +993,79 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * TILE + h * 8)));
       const __m256 mv = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * TILE + h * 8)))
                                   : _mm256_setzero_ps();
-      for (int r = 0; r < R; r++) {
-        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][h]), dv),
-                                    _mm256_set1_ps(xs[r * blocks + b]), acc[r][h]);
+      for (int r = 0; r < R / P; r++) {
+        const __m256i sum = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(dot[2 * r][h], QPASS_SHIFT), dot[2 * r + 1][h])
+                                   : dot[r][h];
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), dv), _mm256_set1_ps(xs[r * blocks + b]),
+                                    acc[r][h]);
         if (bits == 4) acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xms[r * blocks + b]), acc[r][h]);
       }
     }
   }
-  for (int r = 0; r < R; r++)
+  (void)xsum;
+  for (int r = 0; r < R / P; r++)
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + r * QTILE_GROUP * TILE + h * 8, acc[r][h]);
 }
 #endif
 
-/* sums [rows][QTILE_GROUP][16] of `rows` (<= QTILE_ROWS) rows by T (<= QTILE_GROUP) consecutive tiles */
-static void blocks_rows(int64_t rows, int T, int bits, const int8_t *xq, const float *xs, const float *xms,
-                        const int32_t *x128, const uint8_t *w, int64_t tile_bytes, const uint16_t *d,
-                        const uint16_t *m, int64_t in, float *sums) {
+/* sums [rows / passes][QTILE_GROUP][16] of `rows` (<= QTILE_ROWS, a multiple of passes) int8 rows by T
+   (<= QTILE_GROUP) consecutive tiles */
+static void blocks_rows(int64_t rows, int T, int bits, int passes, const int8_t *xq, const float *xs,
+                        const float *xms, const int32_t *xsum, const uint8_t *w, int64_t tile_bytes,
+                        const uint16_t *d, const uint16_t *m, int64_t in, float *sums) {
   const int64_t blocks = in / QBLOCK;
 #if QBLOCKS_SIMD == 2
-#define ROWS(R) case R: \
-    if (bits == 4) { if (T == 2) blocks_kernel(R, 2, 4, xq, xs, xms, x128, w, tile_bytes, d, m, in, sums); \
-                     else blocks_kernel(R, 1, 4, xq, xs, xms, x128, w, tile_bytes, d, m, in, sums); } \
-    else { if (T == 2) blocks_kernel(R, 2, 8, xq, xs, xms, x128, w, tile_bytes, d, m, in, sums); \
-           else blocks_kernel(R, 1, 8, xq, xs, xms, x128, w, tile_bytes, d, m, in, sums); } break;
+#define KERNEL(R, P) \
+    if (bits == 4) { if (T == 2) blocks_kernel(R, 2, 4, P, xq, xs, xms, xsum, w, tile_bytes, d, m, in, sums); \
+                     else blocks_kernel(R, 1, 4, P, xq, xs, xms, xsum, w, tile_bytes, d, m, in, sums); } \
+    else { if (T == 2) blocks_kernel(R, 2, 8, P, xq, xs, xms, xsum, w, tile_bytes, d, m, in, sums); \
+           else blocks_kernel(R, 1, 8, P, xq, xs, xms, xsum, w, tile_bytes, d, m, in, sums); }
+#define ROWS(R) case R: if (passes == 2) { KERNEL(R, 2) } else { KERNEL(R, 1) } break;
   switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
 #undef ROWS
+#undef KERNEL
   (void)blocks;
 #elif QBLOCKS_SIMD == 1
   for (int t = 0; t < T; t++) {
     float tile_sums[QTILE_ROWS * QTILE_GROUP * TILE];
     const uint8_t *wt = w + t * tile_bytes;
     const uint16_t *dt = d + t * blocks * TILE, *mt = m ? m + t * blocks * TILE : NULL;
-#define ROWS(R) case R: if (bits == 4) blocks_kernel(R, 1, 4, xq, xs, xms, x128, wt, tile_bytes, dt, mt, in, tile_sums); \
-                        else blocks_kernel(R, 1, 8, xq, xs, xms, x128, wt, tile_bytes, dt, mt, in, tile_sums); break;
+#define KERNEL(R, P) if (bits == 4) blocks_kernel(R, 1, 4, P, xq, xs, xms, xsum, wt, tile_bytes, dt, mt, in, tile_sums); \
+                     else blocks_kernel(R, 1, 8, P, xq, xs, xms, xsum, wt, tile_bytes, dt, mt, in, tile_sums);
+#define ROWS(R) case R: if (passes == 2) { KERNEL(R, 2) } else { KERNEL(R, 1) } break;
     switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
 #undef ROWS
-    for (int64_t r = 0; r < rows; r++)
+#undef KERNEL
+    for (int64_t r = 0; r < rows / passes; r++)
       memcpy(sums + (r * QTILE_GROUP + t) * TILE, tile_sums + r * QTILE_GROUP * TILE, sizeof(float) * TILE);
   }
 #else
-  for (int64_t r = 0; r < rows; r++)
+  for (int64_t r = 0; r < rows / passes; r++)
     for (int t = 0; t < T; t++) {
       float total[TILE] = {0};
       const uint8_t *wt = w + t * tile_bytes;
       for (int64_t b = 0; b < blocks; b++) {
-        int32_t dot[TILE] = {0};
-        for (int64_t i = b * QBLOCK; i < (b + 1) * QBLOCK; i++) {
-          const int32_t xi = xq[r * in + i];
-          for (int c = 0; c < TILE; c++) {
-            int32_t q;
-            if (bits == 4) {
-              const uint8_t byte = wt[(i / 8) * 64 + c * 4 + i % 4];
-              q = i % 8 < 4 ? byte & 0x0f : byte >> 4;
-            } else {
-              q = (int32_t)(int8_t)wt[(i / 4) * 64 + c * 4 + i % 4] + 128;
+        int32_t dot[2][TILE] = {{0}};
+        for (int p = 0; p < passes; p++) {
+          const int8_t *xr = xq + (r * passes + p) * in;
+          for (int64_t i = b * QBLOCK; i < (b + 1) * QBLOCK; i++) {
+            const int32_t xi = xr[i];
+            for (int c = 0; c < TILE; c++) {
+              int32_t q;
+              if (bits == 4) {
+                const uint8_t byte = wt[(i / 8) * 64 + c * 4 + i % 4];
+                q = i % 8 < 4 ? byte & 0x0f : byte >> 4;
+              } else {
+                q = (int32_t)(int8_t)wt[(i / 4) * 64 + c * 4 + i % 4] + 128;
+              }
+              dot[p][c] += q * xi;
             }
-            dot[c] += q * xi;
           }
         }
         const int64_t s = (t * blocks + b) * TILE;
         for (int c = 0; c < TILE; c++) {
-          const int32_t sum = bits == 8 ? dot[c] - x128[r * blocks + b] : dot[c];
+          int32_t sum = passes == 2 ? dot[0][c] * (1 << QPASS_SHIFT) + dot[1][c] : dot[0][c];
+          if (bits == 8) sum -= 128 * xsum[r * blocks + b];
           total[c] = fmaf((float)sum * half_to_float(d[s + c]), xs[r * blocks + b], total[c]);
           if (bits == 4) total[c] = fmaf(half_to_float(m[s + c]), xms[r * blocks + b], total[c]);
         }
@@ -987,38 +1077,30 @@ static void blocks_rows(int64_t rows, int T, int bits, const int8_t *xq, const f
 
 /* x: [rows, in] float32 (rows contiguous); row_scale: [rows] or NULL (x's rows times it are the input); w, d, m
    (NULL for 8 bits): the tiles above; bias (or NULL): [out]; y: [rows, out]. in a multiple of 32, out of 16.
-   passes 2: each row goes in twice, as its int8 blocks and as the int8 blocks of what they left out (x - its
-   rounding), and the two products are summed: activations to ~15 bits for the price of a second row (what a
-   step bound by reading the weights barely notices). Threads share out pairs of tiles: each reads its weights
-   once. */
+   passes 2: each row goes in twice (quantize_row_blocks), activations to ~15 bits for the price of a second int8
+   row's products (what a step bound by reading the weights barely notices). Threads share out pairs of tiles:
+   each reads its weights once. A few rows are quantized before the threads start (one barrier fewer). */
 void linear_blocks_f32(const float *x, const float *row_scale, const uint8_t *w, const uint16_t *d,
                        const uint16_t *m, int bits, int passes, const float *bias, float *y, int64_t rows,
                        int64_t in, int64_t out, int num_threads) {
   const int64_t blocks = in / QBLOCK, tiles = out / TILE, tile_bytes = TILE * in * bits / 8;
   const int64_t qrows = rows * passes;
   int8_t *xq = malloc(qrows * in);
-  float *xs = malloc(sizeof(float) * qrows * blocks), *xms = malloc(sizeof(float) * qrows * blocks);
-  int32_t *x128 = malloc(sizeof(int32_t) * qrows * blocks);
+  float *xs = malloc(sizeof(float) * rows * blocks), *xms = malloc(sizeof(float) * rows * blocks);
+  int32_t *xsum = malloc(sizeof(int32_t) * rows * blocks);
+  const int quantize_first = rows * in <= 8192;
+  if (quantize_first)
+    for (int64_t r = 0; r < rows; r++)
+      quantize_row_blocks(x + r * in, in, passes, row_scale ? row_scale[r] : 1.0f, xq + r * passes * in,
+                          xs + r * blocks, xsum + r * blocks, xms + r * blocks);
 #pragma omp parallel num_threads(num_threads)
   {
+    if (!quantize_first) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-      for (int64_t b = 0; b < blocks; b++) {
-        float left[QBLOCK];
-        const float *src = x + (r * blocks + b) * QBLOCK;
-        for (int p = 0; p < passes; p++) {
-          const int64_t k = (r * passes + p) * blocks + b;
-          int8_t *q = xq + k * QBLOCK;
-          const float step = quantize_block_i8(p ? left : src, q);
-          if (p + 1 < passes)
-            for (int i = 0; i < QBLOCK; i++) left[i] = fmaf(-(float)q[i], step, p ? left[i] : src[i]);  /* one rounding in every build */
-          xs[k] = step * (row_scale ? row_scale[r] : 1.0f);
-          int32_t total = 0;
-          for (int i = 0; i < QBLOCK; i++) total += q[i];
-          xms[k] = xs[k] * (float)total;
-          x128[k] = 128 * total;
-        }
-      }
+      for (int64_t r = 0; r < rows; r++)
+        quantize_row_blocks(x + r * in, in, passes, row_scale ? row_scale[r] : 1.0f, xq + r * passes * in,
+                            xs + r * blocks, xsum + r * blocks, xms + r * blocks);
+    }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < (tiles + QTILE_GROUP - 1) / QTILE_GROUP; g++) {
       const int64_t t0 = g * QTILE_GROUP;
@@ -1026,20 +1108,16 @@ void linear_blocks_f32(const float *x, const float *row_scale, const uint8_t *w,
       float sums[QTILE_ROWS * QTILE_GROUP * TILE];
       /* whole rows a chunk: QTILE_ROWS is a multiple of passes (1 or 2) */
       for (int64_t r0 = 0; r0 < qrows; r0 += QTILE_ROWS) {
-        const int64_t n = qrows - r0 < QTILE_ROWS ? qrows - r0 : QTILE_ROWS;
-        blocks_rows(n, T, bits, xq + r0 * in, xs + r0 * blocks, xms + r0 * blocks, x128 + r0 * blocks,
-                    w + t0 * tile_bytes, tile_bytes, d + t0 * blocks * TILE, m ? m + t0 * blocks * TILE : NULL, in,
-                    sums);
-        for (int64_t r = 0; r < n; r += passes)
+        const int64_t n = qrows - r0 < QTILE_ROWS ? qrows - r0 : QTILE_ROWS, first = r0 / passes;
+        blocks_rows(n, T, bits, passes, xq + r0 * in, xs + first * blocks, xms + first * blocks,
+                    xsum + first * blocks, w + t0 * tile_bytes, tile_bytes, d + t0 * blocks * TILE,
+                    m ? m + t0 * blocks * TILE : NULL, in, sums);
+        for (int64_t r = 0; r < n / passes; r++)
           for (int t = 0; t < T; t++) {
             const int64_t col = (t0 + t) * TILE;
             const float *sum = sums + (r * QTILE_GROUP + t) * TILE;
-            float *y_row = y + (r0 + r) / passes * out + col;
-            for (int c = 0; c < TILE; c++) {
-              float value = sum[c];
-              if (passes == 2) value += sum[QTILE_GROUP * TILE + c];
-              y_row[c] = bias ? value + bias[col + c] : value;
-            }
+            float *y_row = y + (first + r) * out + col;
+            for (int c = 0; c < TILE; c++) y_row[c] = bias ? sum[c] + bias[col + c] : sum[c];
           }
       }
     }
@@ -1047,5 +1125,42 @@ void linear_blocks_f32(const float *x, const float *row_scale, const uint8_t *w,
   free(xq);
   free(xs);
   free(xms);
-  free(x128);
+  free(xsum);
+}
+
+/* out [n, in] = rows ids[k] of a block weight (the tiles above) as float32: d * q, then + m (two roundings, as
+   cpu_ops.dequantize_rows' torch ops: no fused multiply-add), 16 rows (out features) a tile. A token embedding's
+   lookup from its tied LM head's blocks. Returns how many ids lie outside [0, out) (their rows are left as they
+   were). */
+__attribute__((optimize("fp-contract=off")))
+int64_t dequantize_rows_blocks(const uint8_t *w, const uint16_t *d, const uint16_t *m, int bits, const int64_t *ids,
+                               int64_t n, int64_t in, int64_t out, float *rows) {
+  const int64_t blocks = in / QBLOCK, tile_bytes = TILE * in * bits / 8;
+  int64_t bad = 0;
+  for (int64_t k = 0; k < n; k++) {
+    const int64_t id = ids[k];
+    if (id < 0 || id >= out) {
+      bad++;
+      continue;
+    }
+    const int64_t lane = id % TILE;
+    const uint8_t *wt = w + id / TILE * tile_bytes;
+    const uint16_t *dt = d + id / TILE * blocks * TILE, *mt = m ? m + id / TILE * blocks * TILE : NULL;
+    float *row = rows + k * in;
+    for (int64_t b = 0; b < blocks; b++) {
+      const float scale = half_to_float(dt[b * TILE + lane]), offset = mt ? half_to_float(mt[b * TILE + lane]) : 0.0f;
+      for (int64_t i = b * QBLOCK; i < (b + 1) * QBLOCK; i++) {
+        float q;
+        if (bits == 4) {
+          const uint8_t byte = wt[(i / 8) * 64 + lane * 4 + i % 4];
+          q = (float)(i % 8 < 4 ? byte & 0x0f : byte >> 4);
+          const float product = scale * q;
+          row[i] = product + offset;
+        } else {
+          row[i] = scale * (float)(int8_t)wt[(i / 4) * 64 + lane * 4 + i % 4];
+        }
+      }
+    }
+  }
+  return bad;
 }

@@ -117,6 +117,8 @@ def load() -> ctypes.CDLL | None:
     lib.kv_f16 = bool(lib.kv_f16_supported())  # asked once: kv_cache_usable runs every layer of every step
     lib.linear_i8_tiles_vnni.argtypes, lib.linear_i8_tiles_vnni.restype = [], ctypes.c_int
     lib.linear_blocks_simd.argtypes, lib.linear_blocks_simd.restype = [], ctypes.c_int
+    lib.dequantize_rows_blocks.argtypes = [_P, _P, _P, _I32, _P, _I64, _I64, _I64, _P]
+    lib.dequantize_rows_blocks.restype = ctypes.c_int64
     return lib
 
 
@@ -421,7 +423,24 @@ def block_weight(weight: torch.Tensor, bits: int | None = None) -> BlockWeight |
 
 def dequantize_rows(weight: BlockWeight, rows: torch.Tensor) -> torch.Tensor:
     """Rows (output channels, int64 [n]) of the float32 weight that dequantize_blocks gives, bit for bit (the same
-    float32 products): an embedding's lookup from the blocks its tied LM head multiplies by."""
+    float32 products): an embedding's lookup from the blocks its tied LM head multiplies by. One compiled call
+    where the ops load (a decode step's lookup was ~10 torch ops, ~0.2-0.6 ms), else dequantize_rows_torch."""
+    lib = load()
+    if lib is None:
+        return dequantize_rows_torch(weight, rows)
+    rows = rows.to(torch.int64).contiguous()
+    out_features, in_features = weight.shape
+    out = torch.empty(rows.shape[0], in_features)
+    bad = lib.dequantize_rows_blocks(weight.tiles.data_ptr(), weight.d.data_ptr(), _ptr(weight.m), weight.bits,
+                                     rows.data_ptr(), rows.shape[0], in_features, out_features, out.data_ptr())
+    if bad:
+        outside = rows[(rows < 0) | (rows >= out_features)][:8].tolist()
+        raise IndexError(f"{bad} row ids outside [0, {out_features}): {outside}")
+    return out
+
+
+def dequantize_rows_torch(weight: BlockWeight, rows: torch.Tensor) -> torch.Tensor:
+    """dequantize_rows in torch ops (the compiled one's reference)."""
     tile, lane = rows // TILE, rows % TILE
     d = weight.d[tile, :, lane].float().unsqueeze(-1)  # [n, in / 32, 1]
     packed = weight.tiles[tile, :, lane, :]  # [n, in / 8 or in / 4, 4]
@@ -449,8 +468,8 @@ def dequantize_blocks(weight: BlockWeight) -> torch.Tensor:
 def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None,
                   row_scale: torch.Tensor | None = None, passes: int = 2) -> torch.Tensor:
     """x W^T (+ b) for x [..., in] float32 and a BlockWeight: x's rows quantized in blocks of 32 as linear_i8's,
-    passes 2: then what that rounding left out quantized the same way, its product added (activations to ~15
-    bits);
+    passes 2: then what that rounding left out, to int8 steps 256 times finer, its integer sums joined with the
+    first pass's (activations to ~15 bits; cpu_ops.c, quantize_row_blocks);
     row_scale [rows] or [rows, 1] (2-D x only): the input is x's rows times it."""
     if passes not in (1, 2):
         raise ValueError(f"passes must be 1 or 2, got {passes}")

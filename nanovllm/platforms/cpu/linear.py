@@ -132,12 +132,26 @@ class BlockLinear(LinearMethod):
     owns_weight = True
 
     def __init__(self, weight: cpu_ops.BlockWeight, passes: int = 2):
+        if passes not in (1, 2):
+            raise ValueError(f"passes must be 1 or 2, got {passes}")
         self.weight, self.passes = weight, passes
+        # a decode step calls ~120 of these: its arguments that never change, looked up once (the tensors live
+        # as long as the weight)
+        self.out_features, self.in_features = weight.shape
+        self._product = cpu_ops.load().linear_blocks_f32
+        self._weight_args = (weight.tiles.data_ptr(), weight.d.data_ptr(), cpu_ops._ptr(weight.m), weight.bits,
+                             passes)
 
     def apply(self, layer, x, bias):
         if isinstance(x, RowScaled):
             return cpu_ops.linear_blocks(x.values, self.weight, bias, x.scale, self.passes)
-        return cpu_ops.linear_blocks(x, self.weight, bias, passes=self.passes)
+        if x.dim() != 2 or not x.is_contiguous() or x.dtype != torch.float32 or x.shape[1] != self.in_features:
+            return cpu_ops.linear_blocks(x, self.weight, bias, passes=self.passes)
+        rows = x.shape[0]
+        y = x.new_empty(rows, self.out_features)
+        self._product(x.data_ptr(), None, *self._weight_args, None if bias is None else bias.data_ptr(),
+                      y.data_ptr(), rows, self.in_features, self.out_features, torch.get_num_threads())
+        return y
 
 
 def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False, block_passes: int = 2) -> LinearMethod:
