@@ -11,11 +11,6 @@ the kernel as they captured it.
 
 Gated (SwiGLU's gate_up projection packed as [gate | up] rows of W): each program reads the gate and the up rows
 of its columns and stores silu(gate) * up, so the activation never makes a round trip through memory.
-
-Normed (the residual add and RMSNorm in front of a projection, as layers/norm.py's add_rms_norm computes them):
-x is the layer's input h + residual, normalised per row; every program first sums the squares of its rows over the
-whole of K (a few KB, read again from L2 by each), then normalises its own K range as it loads it, and the splits
-of column block 0 store h + residual, the next residual, each over its range.
 """
 
 from __future__ import annotations
@@ -46,16 +41,10 @@ def _skinny_gemm_kernel(
     out_ptr,            # [M, N], unit stride on N
     partial_ptr,        # [SPLIT_K, M, N_out_cols(x2 when GATED)] float32, when SPLIT_K > 1
     counter_ptr,        # [column blocks] int32 zeros, when SPLIT_K > 1
-    residual_ptr,       # [M, K], unit stride on K, when NORM: the product's input is rms_norm(x + residual)
-    norm_weight_ptr,    # [K] when NORM
-    residual_out_ptr,   # [M, K] contiguous when NORM: x + residual is stored here
     M, N, K,
-    stride_xm, stride_om, stride_rm,
+    stride_xm, stride_om,
     k_per_split,        # a multiple of BLOCK_K
-    eps,
     HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_BLOCK_K: tl.constexpr,  # the mean square's chunk of K: larger than BLOCK_K, fewer dependent loads
     GATED: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -73,16 +62,6 @@ def _skinny_gemm_kernel(
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
 
-    if NORM:
-        # each row's mean square over all of K, in float32, of x + residual rounded as the unfused add rounds it
-        squares = tl.zeros([BLOCK_M], tl.float32)
-        norm_ks = tl.arange(0, NORM_BLOCK_K)
-        for k in range(0, K, NORM_BLOCK_K):
-            mask = row_mask[:, None] & ((k + norm_ks) < K)[None, :]
-            h = _residual_sum(x_ptr, residual_ptr, rows, k + norm_ks, stride_xm, stride_rm, mask)
-            squares += tl.sum(h * h, 1)
-        inv_rms = tl.rsqrt(squares / K + eps)
-
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = split * k_per_split
@@ -90,18 +69,8 @@ def _skinny_gemm_kernel(
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K  # W^T's columns: a [BLOCK_K, BLOCK_N] tile loads W's rows
     for k in range(k_start, k_end, BLOCK_K):
         k_mask = (k + ks) < k_end
-        x_mask = row_mask[:, None] & k_mask[None, :]
-        if NORM:
-            h = _residual_sum(x_ptr, residual_ptr, rows, k + ks, stride_xm, stride_rm, x_mask)
-            if pid_n == 0:
-                tl.store(residual_out_ptr + rows[:, None] * K + (k + ks)[None, :], h.to(out_ptr.dtype.element_ty),
-                         mask=x_mask)
-            # as rms_norm: normalise in float32, round to the model's dtype, times the weight in that dtype
-            normed = (h * inv_rms[:, None]).to(out_ptr.dtype.element_ty)
-            norm_weight = tl.load(norm_weight_ptr + k + ks, mask=k_mask, other=0.0)
-            x = (norm_weight[None, :].to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + (k + ks)[None, :], mask=x_mask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k + ks)[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         tile_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_cols + (k + ks)[:, None], mask=tile_mask, other=0.0)
         if UPCAST:
@@ -133,14 +102,6 @@ def _skinny_gemm_kernel(
             tl.store(counter_ptr + pid_n, 0)
     else:
         _epilogue(acc, acc_up, bias_ptr, out_ptr, stride_om, rows, cols, row_mask, col_mask, N, HAS_BIAS, GATED)
-
-
-@triton.jit
-def _residual_sum(x_ptr, residual_ptr, rows, cols, stride_xm, stride_rm, mask):
-    """x + residual rounded to their dtype (as the unfused add stores it), as float32: [rows, cols]."""
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    residual = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-    return (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -205,24 +166,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M <= 16, K] @ weight[N_total, K]^T (+ bias); gated: weight is [gate | up] (2N rows), returns
     silu(x gate^T) * (x up^T) as [M, N]."""
-    return _launch(x, weight, bias, gated, config, None)
-
-
-def skinny_linear_normed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
-                         config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """skinny_linear of rms_norm(x + residual) * norm_weight, and x + residual (the next residual): the
-    residual add and RMSNorm before a projection (layers/norm.py's add_rms_norm) in the same kernel."""
-    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1, \
-        f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}"
-    assert norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out = _launch(x, weight, bias, gated, config, (residual, norm_weight, eps, residual_out))
-    return out, residual_out
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
-            config: SkinnyConfig | None, norm: tuple | None) -> torch.Tensor:
     assert fits(x, weight), f"skinny_linear takes <= {MAX_ROWS} 16-bit rows, got {tuple(x.shape)} {x.dtype}"
     m, k = x.shape
     n_total, k_w = weight.shape
@@ -240,11 +183,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
         counters = _counters(x.device, column_blocks)
     else:
         partial = counters = out  # unused
-    residual, norm_weight, eps, residual_out = norm if norm is not None else (out, out, 0.0, out)
     _skinny_gemm_kernel[(column_blocks, split_k)](
-        x, weight, bias if bias is not None else out, out, partial, counters, residual, norm_weight, residual_out,
-        m, n, k, x.stride(0), out.stride(0), residual.stride(0), k_per_split, eps, HAS_BIAS=bias is not None,
-        NORM=norm is not None, NORM_BLOCK_K=min(512, triton.next_power_of_2(k)), GATED=gated, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
+        x, weight, bias if bias is not None else out, out, partial, counters, m, n, k, x.stride(0), out.stride(0),
+        k_per_split, HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED, OVERLAP=overlaps_launches(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device),
     )

@@ -13,8 +13,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.norm import RMSNorm
-
 
 @functools.cache
 def _skinny_gemm():
@@ -47,20 +45,6 @@ class LinearMethod:
             if skinny_gemm.takes(x, layer.weight, gated=True):
                 return skinny_gemm.skinny_linear(x, layer.weight, bias, gated=True)
         return act(self.apply(layer, x, bias))
-
-    def apply_normed(self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module,
-                     bias: torch.Tensor | None, act: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(product of norm(x + residual), x + residual): the residual add and RMSNorm in front of the product,
-        which is ``apply``'s, or ``apply_silu_and_mul``'s when act is given. The default method does the three in one
-        kernel where the few-row kernel takes the product; otherwise the norm runs first, as it is."""
-        gated = act is not None
-        if (not self.owns_weight and x.is_cuda and isinstance(norm, RMSNorm) and norm.weight.dtype == x.dtype
-                and _skinny_gemm().takes(x, layer.weight, gated)):
-            return _skinny_gemm().skinny_linear_normed(x, residual, norm.weight, norm.eps, layer.weight, bias,
-                                                       gated=gated)
-        hidden, residual = norm(x, residual)
-        out = self.apply_silu_and_mul(layer, hidden, bias, act) if gated else self.apply(layer, hidden, bias)
-        return out, residual
 
 
 UNQUANTIZED = LinearMethod()  # holds nothing: every layer may share it

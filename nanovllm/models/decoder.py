@@ -53,10 +53,7 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention and o_proj from the qkv projection's output."""
+        qkv = self.qkv_proj(hidden)
         if self.attn.fuses_qkv(self.rotary, qkv):
             # one kernel for q/k norm, RoPE and the KV store
             out = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm)
@@ -89,11 +86,6 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act))
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(h), x + residual) with h, residual = norm(x, residual), the norm in gate_up's kernel where it can."""
-        hidden, residual = self.gate_up_proj.forward_silu_and_mul_normed(x, residual, norm, self.act)
-        return self.down_proj(hidden), residual
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, traits: FamilyTraits, rotary: RotaryEmbedding, mlp: nn.Module):
@@ -104,16 +96,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        # each residual add + RMSNorm goes with the projection after it (one kernel for decode-sized batches)
         if residual is None:
             residual = hidden
-            qkv = self.self_attn.qkv_proj(self.input_layernorm(hidden))
+            hidden = self.input_layernorm(hidden)
         else:
-            qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
-        hidden = self.self_attn.attend(positions, qkv)
-        if isinstance(self.mlp, DecoderMLP):
-            return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)  # a mixture of experts' router reads it
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.skinny_gemm import SkinnyConfig, _counters, fits, skinny_linear, skinny_linear_normed, takes
-from nanovllm.layers.norm import add_rms_norm
+from nanovllm.kernels.skinny_gemm import SkinnyConfig, _counters, fits, skinny_linear, takes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,33 +33,6 @@ def test_skinny_linear_matches_torch(rows, split_k, gated):
     assert out.shape == (rows, n)
     torch.testing.assert_close(out, reference(x, weight, gated=gated), rtol=2e-2, atol=2e-2)
     assert int(_counters(out.device, 2).abs().sum()) == 0  # every call leaves its tickets at zero
-
-
-@pytest.mark.parametrize("rows", [1, 6])
-@pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("gated", [False, True])
-def test_normed_matches_the_residual_add_and_norm_then_the_product(rows, split_k, gated):
-    """The residual add + RMSNorm in front of the product: the next residual bit for bit as add_rms_norm gives it,
-    the product as the unfused norm and product give it (within the products' rounding)."""
-    torch.manual_seed(rows + 10 * split_k)
-    n, k = 80, 320
-    x = torch.randn(rows, k, dtype=torch.bfloat16, device=DEVICE)
-    residual = torch.randn(rows, k, dtype=torch.bfloat16, device=DEVICE) * 3
-    norm_weight = (1 + torch.randn(k, device=DEVICE) / 4).to(torch.bfloat16)
-    weight = torch.randn(2 * n if gated else n, k, dtype=torch.bfloat16, device=DEVICE) / k ** 0.5
-    config = SkinnyConfig(block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
-    out, next_residual = skinny_linear_normed(x, residual, norm_weight, 1e-6, weight, gated=gated, config=config)
-    normed, expected_residual = add_rms_norm(x, residual, norm_weight, 1e-6)
-    if DEVICE == "cuda":
-        assert torch.equal(next_residual, expected_residual)
-    else:  # the interpreter truncates float32 to bfloat16 where a GPU rounds to nearest: one step apart at most
-        torch.testing.assert_close(next_residual, expected_residual, rtol=2 ** -7, atol=0)
-    # the normed input itself, as the kernel multiplies it: a product by the identity gives it back exactly
-    eye = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)
-    kernel_normed = skinny_linear_normed(x, residual, norm_weight, 1e-6, eye, config=config)[0]
-    # within three bfloat16 steps: the add, the norm and the weight each round (the interpreter truncates)
-    torch.testing.assert_close(kernel_normed, normed, rtol=3 * 2 ** -7, atol=1e-3)
-    torch.testing.assert_close(out, reference(kernel_normed, weight, gated=gated), rtol=2e-2, atol=2e-2)
 
 
 def test_skinny_linear_with_bias_and_a_strided_input():
@@ -103,20 +75,3 @@ def test_skinny_linear_at_decode_shapes_on_the_gpu(rows, n, k, gated):
         out = skinny_linear(x, weight, gated=gated)
         torch.testing.assert_close(out, reference(x, weight, gated=gated), rtol=2e-2, atol=2e-2)
     assert takes(x, weight, gated) == (gated or n * k * 2 <= 8 << 20)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 8, 16])
-@pytest.mark.parametrize(("n", "k", "gated"), [(4096, 1024, False), (3072, 1024, True)])
-def test_normed_at_decode_shapes_on_the_gpu(rows, n, k, gated):
-    torch.manual_seed(rows)
-    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-    residual = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-    norm_weight = (1 + torch.randn(k, device="cuda") / 4).to(torch.bfloat16)
-    weight = torch.randn(2 * n if gated else n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
-    normed, expected_residual = add_rms_norm(x, residual, norm_weight, 1e-6)
-    for _ in range(2):
-        out, next_residual = skinny_linear_normed(x, residual, norm_weight, 1e-6, weight, gated=gated)
-        assert torch.equal(next_residual, expected_residual)
-        torch.testing.assert_close(out, reference(normed, weight, gated=gated), rtol=2e-2, atol=2e-2)
