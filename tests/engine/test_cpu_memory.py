@@ -135,13 +135,13 @@ def pool_resident(pool):
 llm = LLM()
 HeapTrimmer().trim(busy=False)
 pool = llm.runner.kv_cache
-start, pool_start = status("VmRSS"), pool_resident(pool)
+start, start_anon, pool_start = status("VmRSS"), status("RssAnon"), pool_resident(pool)
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here
 words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 prompts = [f"{i}: " + " ".join(words[(i * 7 + j * 3) % len(words)] + str((i * j) % 97) for j in range(200))
            for i in range(16)]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-print(json.dumps(dict(start=start, peak=status("VmHWM"), pool_written=pool_resident(pool) - pool_start,
+print(json.dumps(dict(start=start, start_anon=start_anon, peak=status("VmHWM"), pool_written=pool_resident(pool) - pool_start,
                       pool=pool.nbytes, prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
                       triton="triton" in sys.modules)))
 """
@@ -169,7 +169,9 @@ def test_a_prompt_burst_on_the_embedded_model_holds_little_beyond_its_kv_pages()
     assert not m["triton"], "a CPU engine imported Triton (its library alone is ~66 MB resident)"
     working = m["peak"] - m["start"] - m["pool_written"]
     assert working < 150 * MiB, f"the burst's steps held {working / MiB:.0f} MiB beyond the KV pages they wrote"
-    # the core with its whole pool written (as a burst of 32 such prompts leaves it) and this working memory
-    projected = m["start"] + m["pool"] + working
-    assert projected < 950 * MiB, (f"core at {m['start'] / MiB:.0f} MiB after loading + a {m['pool'] / MiB:.0f} "
-                                   f"MiB pool + {working / MiB:.0f} MiB of step memory")
+    # the core's own memory with its whole pool written (as a burst of 32 such prompts leaves it) and this working
+    # memory. Anonymous pages only: how much of the shared libraries' file pages a process maps depends on what the
+    # page cache holds (libtorch_cpu.so: 58 MB resident in one venv, 117 in a freshly installed one), not on us.
+    projected = m["start_anon"] + m["pool"] + working
+    assert projected < 850 * MiB, (f"core at {m['start_anon'] / MiB:.0f} MiB of its own after loading + a "
+                                   f"{m['pool'] / MiB:.0f} MiB pool + {working / MiB:.0f} MiB of step memory")
