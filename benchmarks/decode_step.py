@@ -43,8 +43,8 @@ DEFAULT_MODEL = os.path.join(HERE, "model_configs", "qwen3-0.6b")
 def engine_ms_per_decode_step(llm: LLM, batch: int, context: int, steps: int, temperature: float,
                               profiler=None) -> tuple[float, float]:
     """(median wall time of the engine's decode-only steps while `batch` requests decode together, median
-    device time of the decode graph's replays in them, nan without graphs); a given profiler (cProfile) runs
-    during the steps only."""
+    device time of the decode graph's replays in them, nan without graphs); a given cProfile profiler runs during
+    the steps only."""
     random.seed(batch)
     top = min(10000, llm.hf_config.vocab_size - 1)
     prompts = [[random.randint(0, top) for _ in range(context)] for _ in range(batch)]
@@ -84,7 +84,7 @@ def engine_ms_per_decode_step(llm: LLM, batch: int, context: int, steps: int, te
             del graphs.replay  # the class's method again
     if graphs is not None:
         torch.cuda.synchronize()
-    graph_times = sorted(start.elapsed_time(end) for rows, start, end in replays if rows == batch)
+    graph_times = [start.elapsed_time(end) for rows, start, end in replays if rows == batch]
     return 1e3 * _median(times), _median(graph_times)
 
 
@@ -184,24 +184,10 @@ def print_step_trace(llm: LLM, batch: int, args) -> None:
     """The engine's steps of `batch` requests under torch.profiler: device busy share, kernels, host CUDA calls."""
     from torch.profiler import ProfilerActivity, profile
 
-    class Tracer:  # the profiler interface engine_ms_per_decode_step drives, around each step
-        def __init__(self):
-            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            self.started = False
-
-        def enable(self):
-            if not self.started:
-                self.prof.__enter__()
-                self.started = True
-
-        def disable(self):
-            pass
-
-    tracer = Tracer()
-    ms, _ = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature, tracer)
-    torch.cuda.synchronize()
-    tracer.prof.__exit__(None, None, None)
-    device = [e for e in tracer.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ms, _ = engine_ms_per_decode_step(llm, batch, args.context, args.steps, args.temperature)
+        torch.cuda.synchronize()
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = sorted((e.time_range.start, e.time_range.end) for e in device)
     busy, reach = 0.0, float("-inf")
     for start, end in intervals:  # the union of kernel intervals
@@ -212,7 +198,7 @@ def print_step_trace(llm: LLM, batch: int, args) -> None:
     print(f"\nstep trace, batch {batch}, {args.steps} steps ({ms:.3f} ms/step median under the profiler): device "
           f"busy {busy / 1e3:.1f} of {wall / 1e3:.1f} ms ({busy / max(wall, 1):.0%})")
     for title, events in (("device kernels", device),
-                          ("host CUDA calls", [e for e in tracer.prof.events()
+                          ("host CUDA calls", [e for e in prof.events()
                                                if e.device_type == torch.autograd.DeviceType.CPU
                                                and e.name.startswith("cuda")])):
         totals: dict[str, list] = defaultdict(lambda: [0, 0.0])

@@ -27,9 +27,8 @@ import triton.language as tl
 
 from nanovllm.kernels.jit import (
     jit_unspecialized,
-    launch_options,
     num_sms,
-    overlaps_launches,
+    overlap_options,
     wait_for_prior_kernel,
 )
 
@@ -271,7 +270,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                                            config.block_n) * config.block_n
 
     group = num_heads // num_kv_heads
-    overlap = overlaps_launches(q.device)
     if num_splits == 1:
         partial_max = partial_sum = partial_acc = out  # unused by the WRITE_OUT variant
     else:
@@ -287,13 +285,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_HEADS=num_heads, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, WRITE_OUT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        COMPUTE=_compute_dtype(q.dtype, kv_fp8), OVERLAP=overlap, num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch_options(q.device),
+        COMPUTE=_compute_dtype(q.dtype, kv_fp8), num_warps=config.num_warps, num_stages=config.num_stages,
+        **overlap_options(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial_max, partial_sum, partial_acc, out, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-            OVERLAP=overlap, num_warps=4, **launch_options(q.device),
+            num_warps=4, **overlap_options(q.device),
         )
     return out

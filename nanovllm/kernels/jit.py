@@ -45,17 +45,20 @@ def overlaps_launches(device: torch.device) -> bool:
     than behind the launch's own latency. Inside a CUDA graph the wait is a graph edge."""
     if INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return False
-    return hasattr(triton.language.extra, "cuda") and hasattr(triton.language.extra.cuda, "gdc_wait")
+    return hasattr(tl.extra, "cuda") and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-def launch_options(device: torch.device) -> dict:
-    """Launch keywords for a kernel that calls ``wait_for_prior_kernel`` first (with ``OVERLAP`` set from this)."""
-    return {"launch_pdl": True} if overlaps_launches(device) else {}
+def overlap_options(device: torch.device) -> dict:
+    """Launch keywords of a kernel that calls ``wait_for_prior_kernel(OVERLAP)`` first: its OVERLAP constexpr,
+    and the launch attribute that goes with it."""
+    if overlaps_launches(device):
+        return {"OVERLAP": True, "launch_pdl": True}
+    return {"OVERLAP": False}
 
 
 @triton.jit
 def wait_for_prior_kernel(OVERLAP: tl.constexpr):
-    """First thing a kernel launched with ``launch_options`` does: wait until the kernel before it in the stream
+    """First thing a kernel launched with ``overlap_options`` does: wait until the kernel before it in the stream
     has finished and its writes are visible (every load and store comes after this), then let the next kernel
     be scheduled. No-op when OVERLAP is off."""
     if OVERLAP:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8 import to_e4m3
-from nanovllm.kernels.jit import jit_unspecialized, launch_options, overlaps_launches, wait_for_prior_kernel
+from nanovllm.kernels.jit import jit_unspecialized, overlap_options, wait_for_prior_kernel
 
 
 @triton.jit
@@ -141,7 +141,6 @@ def norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
         k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0), eps, 1.0 / k_scale, 1.0 / v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_HEADS=triton.next_power_of_2(num_heads),
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, NORM=norm, FP8=fp8,
-        OVERLAP=overlaps_launches(qkv.device), num_warps=4 if (num_heads + num_kv_heads) * head_dim >= 2048 else 2,
-        **launch_options(qkv.device),
+        num_warps=4 if (num_heads + num_kv_heads) * head_dim >= 2048 else 2, **overlap_options(qkv.device),
     )
     return q

@@ -24,9 +24,8 @@ import triton.language as tl
 
 from nanovllm.kernels.jit import (
     INTERPRETED,
-    launch_options,
     num_sms,
-    overlaps_launches,
+    overlap_options,
     wait_for_prior_kernel,
 )
 
@@ -186,7 +185,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_gemm_kernel[(column_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partial, counters, m, n, k, x.stride(0), out.stride(0),
         k_per_split, HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED, OVERLAP=overlaps_launches(x.device),
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED, num_warps=config.num_warps,
+        num_stages=config.num_stages, **overlap_options(x.device),
     )
     return out
