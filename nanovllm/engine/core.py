@@ -212,11 +212,8 @@ class EngineCore:
                 finish, stop_reason = "error", state.error
             if finish is not None:
                 ended.append(request_id)
-            front_end = owner[request_id]
-            mine = deltas.get(front_end)
-            if mine is None:
-                mine = deltas[front_end] = []
-            mine.append((request_id, index, new, finish, stop_reason, logprobs, sample.cumulative_logprob, first))
+            deltas.setdefault(owner[request_id], []).append(
+                (request_id, index, new, finish, stop_reason, logprobs, sample.cumulative_logprob, first))
         for request_id in dict.fromkeys(ended):  # only a sample that ended can end its request
             self._forget_if_finished(request_id)
         return deltas
@@ -346,7 +343,7 @@ def run_engine_core(conns, engine_args: dict) -> None:
     tell(("ready", info))
     status = 0
     try:
-        EngineCore(engine, conns).run()
+        EngineCore(engine, every).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         status = 1  # the front end is gone: nobody to serve
     except BaseException as e:

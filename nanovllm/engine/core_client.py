@@ -56,6 +56,16 @@ STOP_TIMEOUT_S = 30.0
 AttachedCore = tuple
 
 
+def join_engine_core(proc, timeout: float) -> None:
+    """Wait for a core process told to stop (or left without front ends); kill it if it is still there after
+    ``timeout`` seconds."""
+    proc.join(timeout)
+    if proc.is_alive():
+        logger.warning("the engine core did not stop within %s s: killing it", timeout)
+        proc.kill()
+        proc.join()
+
+
 def start_engine_core(engine_args: dict, num_front_ends: int, timeout: float = STARTUP_TIMEOUT_S):
     """Start an engine core process with a pipe per front end and wait until it is ready: (the process, the front
     ends' Connections, CoreInfo). The user's own error (a bad model path or flag) is raised as the engine raised
@@ -256,11 +266,7 @@ class AsyncEngineClient(EngineClient):
         self._outbox.put(None)
         self._thread.join(timeout)
         if self._proc is not None:  # (an attached core belongs to the process that started it)
-            self._proc.join(timeout)
-            if self._proc.is_alive():
-                logger.warning("the engine core did not stop within %s s: killing it", timeout)
-                self._proc.kill()
-                self._proc.join()
+            join_engine_core(self._proc, timeout)
         self._conn.close()
 
     def _send(self, message: tuple) -> None:

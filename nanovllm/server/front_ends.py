@@ -46,7 +46,7 @@ def run_front_ends(args: argparse.Namespace) -> int:
     """Start the engine core and ``args.api_server_count`` front ends; wait for them; the exit status."""
     from multiprocessing.connection import wait
 
-    from nanovllm.engine.core_client import start_engine_core
+    from nanovllm.engine.core_client import join_engine_core, start_engine_core
     from nanovllm.engine_args import engine_kwargs
 
     count = args.api_server_count
@@ -88,11 +88,7 @@ def run_front_ends(args: argparse.Namespace) -> int:
                     logger.error("front end %s exited with %s: stopping the others", proc.name, proc.exitcode)
                     status = EXIT_FAILED
                     handle_exit(signal.SIGTERM, None)
-        core.join(STOP_TIMEOUT_S)  # it stops once every front end said stop (or went away)
-        if core.is_alive():
-            logger.warning("the engine core did not stop within %s s: killing it", STOP_TIMEOUT_S)
-            core.kill()
-            core.join()
+        join_engine_core(core, STOP_TIMEOUT_S)  # it stops once every front end said stop (or went away)
         if core.exitcode != 0:
             status = EXIT_FAILED
         return status
