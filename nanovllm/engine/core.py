@@ -51,6 +51,7 @@ class CoreInfo:
     eos_token_ids: list[int]
     pid: int
     kv_cache: str  # the KV pool's size and token capacity, as engine/summary.py says it at start
+    device: str  # where the model runs ("cpu", "cuda", "cuda:1")
 
 
 # What one step added to one sample of a request, as a plain tuple (unpickling a NamedTuple calls its class per
@@ -330,7 +331,7 @@ def run_engine_core(conns, engine_args: dict) -> None:
         if engine.config.device == "cpu" and engine.config.tensor_parallel_size == 1:
             _leave_a_core_to_the_front_end()
         info = CoreInfo(engine.model_path, engine.tokenizer, engine.request_limits, engine.config.max_num_seqs,
-                        sorted(engine.eos_token_ids), os.getpid(), kv_cache_line(engine))
+                        sorted(engine.eos_token_ids), os.getpid(), kv_cache_line(engine), str(engine.config.device))
     except BaseException as e:
         try:  # the exception itself, so the front end can raise a user's error (a bad path, a bad flag) as such
             pickle.dumps(e)

@@ -181,6 +181,7 @@ class AsyncEngineClient(EngineClient):
         self.vocab_size = info.limits.vocab_size
         self.max_num_seqs = info.max_num_seqs
         self.kv_cache_summary = info.kv_cache
+        self.device = info.device
         self.inputs = InputProcessor(self.tokenizer, info.limits)
         # the front end's own compiler, only to refuse a constraint before a response starts (the core compiles
         # the request's grammar again, in its own cache)

@@ -23,13 +23,13 @@ import dataclasses
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.engine.async_engine import (
@@ -641,9 +641,31 @@ class _ChunkTemplate:
                 f'"stop_reason":null{self._token_ids(token_ids)}{self.tail}')
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _EventStream(Response):
+    """A stream of server-sent events, one body message per event. Unlike Starlette's StreamingResponse it runs
+    no task of its own per response to watch for a disconnect: each stream's ``_Job`` already watches, aborts the
+    requests and ends the events, and a send to a client that is gone is dropped by the server."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str, None]):
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.events.aclose()  # its requests are aborted now if it did not finish (a send failed)
+
+
+def _sse(events: AsyncGenerator[str, None]) -> _EventStream:
+    return _EventStream(events)
 
 
 class _Progress:

@@ -31,6 +31,10 @@ from nanovllm.server.defaults import (  # noqa: F401 (API_KEY_ENV is part of thi
 # After the engine process died: how long /health keeps answering 503 (for load balancers) before the exit.
 DEAD_ENGINE_EXIT_DELAY_S = 3.0
 EXIT_ENGINE_DIED = 1
+# On the CPU the engine core computes the model and is the server's bottleneck; a front end that competes with it
+# for a core (with the clients' processes on the same machine) slows every step. At this niceness it still runs
+# whenever a core is free, and when it falls behind the core's steps fold into fewer, larger messages.
+CPU_FRONT_END_NICENESS = 10
 
 
 
@@ -176,6 +180,8 @@ def serve_app(app, args: argparse.Namespace, sockets=None) -> int:
         threading.Timer(DEAD_ENGINE_EXIT_DELAY_S, leave).start()
 
     llm.on_dead.append(engine_died)
+    if llm.device == "cpu":
+        os.nice(CPU_FRONT_END_NICENESS)  # the core, already started, keeps its own
     try:
         server.run(sockets=sockets)
     finally:

@@ -17,6 +17,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.async_engine import IterationStats
 from nanovllm.engine.core_client import AsyncEngineClient
 from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.server.serve import CPU_FRONT_END_NICENESS
 from tests.server.conftest import ENGINE_FLAGS, ServerProcess
 
 PROMPT = "Once upon a time"
@@ -127,6 +128,12 @@ def _core_pid(server_pid: int) -> int:
         if ppid == server_pid and b"spawn_main" in cmdline:
             return int(entry.name)
     raise AssertionError(f"no engine core process under {server_pid}")
+
+
+def test_on_the_cpu_the_front_end_runs_below_the_core_s_priority(server):
+    core = os.getpriority(os.PRIO_PROCESS, _core_pid(server.proc.pid))
+    front_end = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
+    assert front_end == min(19, core + CPU_FRONT_END_NICENESS), (front_end, core)
 
 
 def test_killing_the_core_ends_streams_with_an_error_and_the_server_exits_non_zero(chat_model):
