@@ -26,6 +26,7 @@ drains every front end; the core stops once each has said stop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 FRONT_END_HEADER = b"x-nanovllm-front-end"  # which front end answered (only with more than one)
 EXIT_FAILED = 1
 STOP_TIMEOUT_S = 30.0
+HELD_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # by a starting front end until its server handles them
 
 
 def run_front_ends(args: argparse.Namespace) -> int:
@@ -71,7 +73,13 @@ def run_front_ends(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, handle_exit)
         for index, conn in enumerate(conns):
             proc = context.Process(target=_front_end, args=(args, index, conn, info), name=f"nanovllm-api-{index}")
-            proc.start()
+            # A SIGTERM forwarded while a front end still starts (another may already serve) must drain it, not
+            # kill it: it starts with the signals blocked (a mask survives exec) until its server handles them
+            signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
             conn.close()  # the front end has its own copy
             front_ends.append(proc)
         status = 0
@@ -116,7 +124,22 @@ def _front_end(args: argparse.Namespace, index: int, conn, info) -> None:
         sys.exit(EXIT_FAILED)
     app = build_app_from_args(args, core=(conn, info))
     app.add_middleware(FrontEndHeader, value=str(index).encode())
+    _release_held_signals_at_startup(app)
     sys.exit(serve_app(app, args, sockets=[sock]))
+
+
+def _release_held_signals_at_startup(app) -> None:
+    """Unblock HELD_SIGNALS when the app starts: uvicorn installs its handlers before it starts the app, so a
+    signal held since the process began is then handled as a drain."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
+        async with inner(app_) as state:
+            yield state
+
+    app.router.lifespan_context = lifespan
 
 
 class FrontEndHeader:

@@ -1,6 +1,6 @@
 """``--api-server-count 2``: two front-end processes on one port in front of one engine core. Requests served by
 either process stream every token once, equal to the plain answer; /metrics on either counts both; SIGTERM
-drains; killing the core ends every stream with an error event and the server exits non-zero.
+drains, also while the front ends start; killing the core ends every stream with an error event and the server exits non-zero.
 
 One server for the module (its last test kills its core), and one more for the drain."""
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ENGINE_FLAGS, ServerProcess, metric_values
+from tests.server.conftest import ENGINE_FLAGS, REPO_ROOT, ServerProcess, free_port, metric_values
 from tests.server.test_engine_core import _events
 
 HEADER = "x-nanovllm-front-end"
@@ -141,6 +143,25 @@ def test_sigterm_drains_both_front_ends_and_exits_zero(chat_model):
         assert proc.proc.wait(timeout=30) == 0
     finally:
         proc.stop()
+
+
+def test_sigterm_while_the_front_ends_start_still_drains_and_exits_zero(chat_model):
+    # the signal reaches the front ends (forwarded) before either has its server's handlers
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.server.serve", chat_model, "--port", str(free_port()),
+                             "--log-level", "warning", *ENGINE_FLAGS, "--api-server-count", "2"],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_spawned_children(proc.pid)) < 3:  # the core (loaded by then), then the two front ends
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_killing_the_core_ends_the_streams_of_both_front_ends_and_the_server_exits_non_zero(two):
