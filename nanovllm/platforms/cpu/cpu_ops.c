@@ -868,14 +868,33 @@ static inline int32_t round_block(const float *src, float inv, float step, int8_
 #endif
 }
 
+/* the largest magnitude of QBLOCK floats (0 for zeros, NaNs passed over; exact in any order: every build gives
+   the same) */
+static inline float abs_max32(const float *src) {
+#if QBLOCKS_SIMD == 2
+  const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(src)), b = _mm512_abs_ps(_mm512_loadu_ps(src + 16));
+  return _mm512_reduce_max_ps(_mm512_max_ps(a, _mm512_max_ps(b, _mm512_setzero_ps())));
+#elif QBLOCKS_SIMD == 1
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v = _mm256_setzero_ps();
+  for (int i = 0; i < QBLOCK; i += 8) v = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)), v);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < QBLOCK; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+  return amax;
+#endif
+}
+
 /* One row of x (in floats; row_scale: the input is x times it) as the block kernels read it: q [passes][in] int8,
    and per block xs (the step of xq = 256 q1 + q2, or q1), xsum (the block's sum of xq) and xms = xs * xsum. */
 static void quantize_row_blocks(const float *x, int64_t in, int passes, float row_scale, int8_t *q, float *xs,
                                 int32_t *xsum, float *xms) {
   for (int64_t b = 0; b < in / QBLOCK; b++) {
     const float *src = x + b * QBLOCK;
-    float amax = 0.0f;
-    for (int i = 0; i < QBLOCK; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+    const float amax = abs_max32(src);
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     float step = amax / 127.0f, left[QBLOCK];
     int32_t total = round_block(src, inv, step, q + b * QBLOCK, passes == 2 ? left : NULL);
@@ -1115,9 +1134,18 @@ static void blocks_product(const QuantRows *q, int64_t rows, int passes, const u
     const int64_t t0 = g * QTILE_GROUP;
     const int T = tiles - t0 < QTILE_GROUP ? (int)(tiles - t0) : QTILE_GROUP;
     float sums[QTILE_ROWS * QTILE_GROUP * TILE];
+    /* the next group's weights asked for a slice a chunk of rows, while this group's are multiplied (else its
+       first chunk waits on memory) */
+    const int64_t chunks = (qrows + QTILE_ROWS - 1) / QTILE_ROWS;
+    const int64_t ahead = tiles - t0 - T < QTILE_GROUP ? tiles - t0 - T : QTILE_GROUP;
+    const char *next = (const char *)(w + (t0 + T) * tile_bytes);
+    const int64_t slice = (ahead * tile_bytes / chunks + 63) / 64 * 64;
     /* whole rows a chunk: QTILE_ROWS is a multiple of passes (1 or 2) */
     for (int64_t r0 = 0; r0 < qrows; r0 += QTILE_ROWS) {
       const int64_t n = qrows - r0 < QTILE_ROWS ? qrows - r0 : QTILE_ROWS, first = r0 / passes;
+      if (chunks > 1)
+        for (int64_t b = r0 / QTILE_ROWS * slice; b < (r0 / QTILE_ROWS + 1) * slice && b < ahead * tile_bytes; b += 64)
+          __builtin_prefetch(next + b, 0, 2);
       blocks_rows(n, T, bits, passes, q->xq + r0 * in, q->xs + first * blocks, q->xms + first * blocks,
                   q->xsum + first * blocks, w + t0 * tile_bytes, tile_bytes, d + t0 * blocks * TILE,
                   m ? m + t0 * blocks * TILE : NULL, in, sums);
