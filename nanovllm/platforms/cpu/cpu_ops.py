@@ -474,6 +474,12 @@ def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | Non
     row_scale [rows] or [rows, 1] (2-D x only): the input is x's rows times it."""
     if passes not in (1, 2):
         raise ValueError(f"passes must be 1 or 2, got {passes}")
+    return _block_product(load().linear_blocks_f32, x, weight, (passes,), bias, row_scale)
+
+
+def _block_product(product, x: torch.Tensor, weight: BlockWeight, args: tuple, bias: torch.Tensor | None,
+                   row_scale: torch.Tensor | None) -> torch.Tensor:
+    """y [..., out] of one of cpu_ops.c's block products (x, row_scale, the weight's blocks, args, bias, y, sizes)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1]).contiguous()
     rows, in_features = x.shape
@@ -481,9 +487,8 @@ def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | Non
     y = x.new_empty(rows, out_features)
     if row_scale is not None:
         row_scale = row_scale.contiguous()
-    load().linear_blocks_f32(x.data_ptr(), _ptr(row_scale), weight.tiles.data_ptr(), weight.d.data_ptr(),
-                             _ptr(weight.m), weight.bits, passes, _ptr(bias), y.data_ptr(), rows, in_features,
-                             out_features, torch.get_num_threads())
+    product(x.data_ptr(), _ptr(row_scale), weight.tiles.data_ptr(), weight.d.data_ptr(), _ptr(weight.m), weight.bits,
+            *args, _ptr(bias), y.data_ptr(), rows, in_features, out_features, torch.get_num_threads())
     return y.view(*shape[:-1], out_features)
 
 
@@ -521,14 +526,5 @@ def linear_blocks_top(x: torch.Tensor, weight: BlockWeight, bound: BlockBound, b
     be the two-pass product's largest, is linear_blocks(passes=2)'s bit for bit (a greedy token is the two-pass
     one's); the others are one pass's. bound: block_bound(weight). x [..., in] float32; row_scale as
     linear_blocks'."""
-    shape = x.shape
-    x = x.reshape(-1, shape[-1]).contiguous()
-    rows, in_features = x.shape
-    out_features = weight.d.shape[0] * TILE
-    y = x.new_empty(rows, out_features)
-    if row_scale is not None:
-        row_scale = row_scale.contiguous()
-    load().linear_blocks_top_f32(x.data_ptr(), _ptr(row_scale), weight.tiles.data_ptr(), weight.d.data_ptr(),
-                                 _ptr(weight.m), weight.bits, bound.per_channel.data_ptr(), bound.largest.data_ptr(),
-                                 _ptr(bias), y.data_ptr(), rows, in_features, out_features, torch.get_num_threads())
-    return y.view(*shape[:-1], out_features)
+    return _block_product(load().linear_blocks_top_f32, x, weight,
+                          (bound.per_channel.data_ptr(), bound.largest.data_ptr()), bias, row_scale)
