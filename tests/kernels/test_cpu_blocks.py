@@ -122,6 +122,55 @@ def test_every_simd_build_gives_the_same_numbers(tmp_path, monkeypatch, flags, s
                      None if blocks.m is None else blocks.m.data_ptr(), blocks.bits, passes, bias.data_ptr(),
                      y.data_ptr(), rows, in_features, out_features, 2)
             assert torch.equal(y, cpu_ops.linear_blocks(x, blocks, bias, passes=passes)), (kind, rows, passes)
+    top = lib.linear_blocks_top_f32
+    top.argtypes, top.restype = cpu_ops.SIGNATURES["linear_blocks_top_f32"], None
+    for kind in ("Q4_1", "Q8_0"):
+        blocks, x = top_inputs(kind, 9, 512, seed=2)
+        bound, bias = cpu_ops.block_bound(blocks), torch.randn(512)
+        y = torch.empty(9, 512)
+        top(x.data_ptr(), None, blocks.tiles.data_ptr(), blocks.d.data_ptr(),
+            None if blocks.m is None else blocks.m.data_ptr(), blocks.bits, bound.per_channel.data_ptr(),
+            bound.largest.data_ptr(), bias.data_ptr(), y.data_ptr(), 9, 576, 512, 2)
+        assert torch.equal(y, cpu_ops.linear_blocks_top(x, blocks, bound, bias)), kind
+
+
+def top_inputs(kind: str, rows: int, out_features: int, seed: int):
+    """A weight of kind (two of its channels equal: a tie) and rows of input with an outsized value each."""
+    weight, _ = gguf_weight(kind, out_features, 576, seed=seed)
+    weight[out_features - 3] = weight[40]
+    blocks = cpu_ops.block_weight(weight)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 576, generator=generator)
+    x[:, 7] *= 4
+    return blocks, x
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_the_near_top_product_has_two_passes_where_the_largest_can_be(kind) -> None:
+    """linear_blocks_top: every tile of 16 outputs is one pass's or two passes' (bit for bit); each row's largest
+    is two passes' and so is its argmax, where one pass alone picks another token in some rows; ties go to the
+    lowest id as in the two-pass product."""
+    rows = 256
+    blocks, x = top_inputs(kind, rows, 2048, seed=1)
+    bias = torch.randn(2048) * 0.1
+    one = cpu_ops.linear_blocks(x, blocks, bias, passes=1)
+    two = cpu_ops.linear_blocks(x, blocks, bias, passes=2)
+    bound = cpu_ops.block_bound(blocks)
+    top = cpu_ops.linear_blocks_top(x, blocks, bound, bias)
+    as_one, as_two = (top == one).view(rows, -1, 16).all(-1), (top == two).view(rows, -1, 16).all(-1)
+    assert bool((as_one | as_two).all()), "whole tiles, one pass's or two passes'"
+    assert torch.equal(top.argmax(-1), two.argmax(-1))
+    assert bool((one.argmax(-1) != two.argmax(-1)).any()), "the test has rows where one pass alone picks another"
+    assert torch.equal(top.amax(-1), two.amax(-1))
+    refined = (as_two & ~as_one).sum(-1).float().mean()
+    assert 1 <= refined < 32, f"{refined} of 128 tiles a row again"
+    # the bound: at least every channel's sum of |w| over each block
+    sums = cpu_ops.dequantize_blocks(blocks).double().abs().view(2048, -1, BLOCK).sum(-1)
+    assert bool((bound.per_channel.double() >= sums).all()) and bool((bound.largest.double() >= sums.amax(0)).all())
+    # channel 40 and its twin (2045) tie at the largest: the lowest id, as two passes
+    twin = cpu_ops.dequantize_blocks(blocks)[40:41]
+    assert int(cpu_ops.linear_blocks_top(twin, blocks, bound, None).argmax()) == 40
+    assert int(cpu_ops.linear_blocks(twin, blocks, None, passes=2).argmax()) == 40
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])

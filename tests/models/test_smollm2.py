@@ -107,7 +107,8 @@ def test_int8_tiles_keep_float32s_greedy_choices(llm, monkeypatch):
 
 def test_the_default_multiplies_the_ggufs_own_blocks_and_keeps_float32s_choices(llm, monkeypatch):
     """With no flags the CPU multiplies the GGUF's Q4_1 blocks (its layers) and Q8_0 blocks (the tied LM head) as
-    they are, activations in two int8 passes per block of 32: it answers as float32 does, and scoring float32's
+    they are, activations in int8 blocks of 32 (one pass in the MLP's gate/up projection, two elsewhere, the LM head's
+    near-top outputs in two): it answers as float32 does, and scoring float32's
     greedy answers its top-1 is float32's nearly everywhere (measured over 1,536 positions of 24 chat answers in
     docs/benchmarks.md)."""
     monkeypatch.delenv("NANOVLLM_CPU_DTYPE", raising=False)

@@ -868,14 +868,33 @@ static inline int32_t round_block(const float *src, float inv, float step, int8_
 #endif
 }
 
+/* the largest magnitude of QBLOCK floats (0 for zeros, NaNs passed over; exact in any order: every build gives
+   the same) */
+static inline float abs_max32(const float *src) {
+#if QBLOCKS_SIMD == 2
+  const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(src)), b = _mm512_abs_ps(_mm512_loadu_ps(src + 16));
+  return _mm512_reduce_max_ps(_mm512_max_ps(a, _mm512_max_ps(b, _mm512_setzero_ps())));
+#elif QBLOCKS_SIMD == 1
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v = _mm256_setzero_ps();
+  for (int i = 0; i < QBLOCK; i += 8) v = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(src + i)), v);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < QBLOCK; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+  return amax;
+#endif
+}
+
 /* One row of x (in floats; row_scale: the input is x times it) as the block kernels read it: q [passes][in] int8,
    and per block xs (the step of xq = 256 q1 + q2, or q1), xsum (the block's sum of xq) and xms = xs * xsum. */
 static void quantize_row_blocks(const float *x, int64_t in, int passes, float row_scale, int8_t *q, float *xs,
                                 int32_t *xsum, float *xms) {
   for (int64_t b = 0; b < in / QBLOCK; b++) {
     const float *src = x + b * QBLOCK;
-    float amax = 0.0f;
-    for (int i = 0; i < QBLOCK; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+    const float amax = abs_max32(src);
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     float step = amax / 127.0f, left[QBLOCK];
     int32_t total = round_block(src, inv, step, q + b * QBLOCK, passes == 2 ? left : NULL);
@@ -1075,57 +1094,207 @@ static void blocks_rows(int64_t rows, int T, int bits, int passes, const int8_t 
 #endif
 }
 
+/* Rows of x quantized for the block kernels (quantize_row_blocks), and the product of them by a block weight:
+   what linear_blocks_f32 and linear_blocks_top_f32 share. */
+typedef struct {
+  int8_t *xq;  /* [rows * passes][in] */
+  float *xs, *xms;  /* [rows][blocks] */
+  int32_t *xsum;
+} QuantRows;
+
+static QuantRows quant_rows_new(int64_t rows, int64_t in, int passes) {
+  const int64_t blocks = in / QBLOCK;
+  QuantRows q = {malloc(rows * passes * in), malloc(sizeof(float) * rows * blocks),
+                 malloc(sizeof(float) * rows * blocks), malloc(sizeof(int32_t) * rows * blocks)};
+  return q;
+}
+
+static void quant_rows_free(QuantRows q) {
+  free(q.xq);
+  free(q.xs);
+  free(q.xms);
+  free(q.xsum);
+}
+
+static void quantize_row_at(const QuantRows *q, const float *x, const float *row_scale, int64_t r, int64_t in,
+                            int passes) {
+  const int64_t blocks = in / QBLOCK;
+  quantize_row_blocks(x + r * in, in, passes, row_scale ? row_scale[r] : 1.0f, q->xq + r * passes * in,
+                      q->xs + r * blocks, q->xsum + r * blocks, q->xms + r * blocks);
+}
+
+/* y [rows, out] = the quantized rows times the weight (+ bias); inside a parallel region, threads sharing out pairs
+   of tiles (each reads its weights once) */
+static void blocks_product(const QuantRows *q, int64_t rows, int passes, const uint8_t *w, const uint16_t *d,
+                           const uint16_t *m, int bits, const float *bias, float *y, int64_t in, int64_t out) {
+  const int64_t blocks = in / QBLOCK, tiles = out / TILE, tile_bytes = TILE * in * bits / 8;
+  const int64_t qrows = rows * passes;
+#pragma omp for schedule(static)
+  for (int64_t g = 0; g < (tiles + QTILE_GROUP - 1) / QTILE_GROUP; g++) {
+    const int64_t t0 = g * QTILE_GROUP;
+    const int T = tiles - t0 < QTILE_GROUP ? (int)(tiles - t0) : QTILE_GROUP;
+    float sums[QTILE_ROWS * QTILE_GROUP * TILE];
+    /* the next group's weights asked for a slice a chunk of rows, while this group's are multiplied (else its
+       first chunk waits on memory) */
+    const int64_t chunks = (qrows + QTILE_ROWS - 1) / QTILE_ROWS;
+    const int64_t ahead = tiles - t0 - T < QTILE_GROUP ? tiles - t0 - T : QTILE_GROUP;
+    const char *next = (const char *)(w + (t0 + T) * tile_bytes);
+    const int64_t slice = (ahead * tile_bytes / chunks + 63) / 64 * 64;
+    /* whole rows a chunk: QTILE_ROWS is a multiple of passes (1 or 2) */
+    for (int64_t r0 = 0; r0 < qrows; r0 += QTILE_ROWS) {
+      const int64_t n = qrows - r0 < QTILE_ROWS ? qrows - r0 : QTILE_ROWS, first = r0 / passes;
+      if (chunks > 1)
+        for (int64_t b = r0 / QTILE_ROWS * slice; b < (r0 / QTILE_ROWS + 1) * slice && b < ahead * tile_bytes; b += 64)
+          __builtin_prefetch(next + b, 0, 2);
+      blocks_rows(n, T, bits, passes, q->xq + r0 * in, q->xs + first * blocks, q->xms + first * blocks,
+                  q->xsum + first * blocks, w + t0 * tile_bytes, tile_bytes, d + t0 * blocks * TILE,
+                  m ? m + t0 * blocks * TILE : NULL, in, sums);
+      for (int64_t r = 0; r < n / passes; r++)
+        for (int t = 0; t < T; t++) {
+          const int64_t col = (t0 + t) * TILE;
+          const float *sum = sums + (r * QTILE_GROUP + t) * TILE;
+          float *y_row = y + (first + r) * out + col;
+          for (int c = 0; c < TILE; c++) y_row[c] = bias ? sum[c] + bias[col + c] : sum[c];
+        }
+    }
+  }
+}
+
 /* x: [rows, in] float32 (rows contiguous); row_scale: [rows] or NULL (x's rows times it are the input); w, d, m
    (NULL for 8 bits): the tiles above; bias (or NULL): [out]; y: [rows, out]. in a multiple of 32, out of 16.
    passes 2: each row goes in twice (quantize_row_blocks), activations to ~15 bits for the price of a second int8
-   row's products (what a step bound by reading the weights barely notices). Threads share out pairs of tiles:
-   each reads its weights once. A few rows are quantized before the threads start (one barrier fewer). */
+   row's products (what a step bound by reading the weights barely notices). A few rows are quantized before the
+   threads start (one barrier fewer). */
 void linear_blocks_f32(const float *x, const float *row_scale, const uint8_t *w, const uint16_t *d,
                        const uint16_t *m, int bits, int passes, const float *bias, float *y, int64_t rows,
                        int64_t in, int64_t out, int num_threads) {
-  const int64_t blocks = in / QBLOCK, tiles = out / TILE, tile_bytes = TILE * in * bits / 8;
-  const int64_t qrows = rows * passes;
-  int8_t *xq = malloc(qrows * in);
-  float *xs = malloc(sizeof(float) * rows * blocks), *xms = malloc(sizeof(float) * rows * blocks);
-  int32_t *xsum = malloc(sizeof(int32_t) * rows * blocks);
+  const QuantRows q = quant_rows_new(rows, in, passes);
   const int quantize_first = rows * in <= 8192;
   if (quantize_first)
-    for (int64_t r = 0; r < rows; r++)
-      quantize_row_blocks(x + r * in, in, passes, row_scale ? row_scale[r] : 1.0f, xq + r * passes * in,
-                          xs + r * blocks, xsum + r * blocks, xms + r * blocks);
+    for (int64_t r = 0; r < rows; r++) quantize_row_at(&q, x, row_scale, r, in, passes);
 #pragma omp parallel num_threads(num_threads)
   {
     if (!quantize_first) {
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < rows; r++)
-        quantize_row_blocks(x + r * in, in, passes, row_scale ? row_scale[r] : 1.0f, xq + r * passes * in,
-                            xs + r * blocks, xsum + r * blocks, xms + r * blocks);
+      for (int64_t r = 0; r < rows; r++) quantize_row_at(&q, x, row_scale, r, in, passes);
     }
+    blocks_product(&q, rows, passes, w, d, m, bits, bias, y, in, out);
+  }
+  quant_rows_free(q);
+}
+
+/* the largest of 16 floats (exact in any order: every build gives the same) */
+static inline float max16(const float *x) {
+#if QBLOCKS_SIMD == 2
+  return _mm512_reduce_max_ps(_mm512_loadu_ps(x));
+#elif QBLOCKS_SIMD == 1
+  __m256 v = _mm256_max_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+  float top = x[0];
+  for (int c = 1; c < TILE; c++) top = x[c] > top ? x[c] : top;
+  return top;
+#endif
+}
+
+/* One pass, then each row's outputs that may hold its two-pass maximum again with two passes (an LM head: a
+   greedy token is the two-pass product's, at about the price of one pass). Two passes differ from one by pass 2's
+   products alone: per block, its step (pass 1's / 256) times sum_i w[c, i] q2[i] with |q2| <= 128, so
+   |y2[r, c] - y1[r, c]| <= E[r, c] = sum_b xs1[r, b] / 2 * w_bound[c, b], w_bound[c, b] >= channel c's sum of
+   |w| over block b (w_bound_max[b] >= every channel's). The two-pass maximum is at least L = max_c (y1 - E), and a
+   channel with y1 + E < L cannot reach it; every tile of 16 channels holding one that can is multiplied again
+   with two passes, its 16 outputs replaced. E is first taken at its largest over channels (every channel below
+   the row's maximum - 2 of that is out), then per channel for the rest. Each E is widened by (blocks + 4) 2^-10
+   of itself and 2^-20 of the row's |max| + 2 E for the float roundings of either product; the tests are in double (products of
+   floats exact: the same in every build). */
+void linear_blocks_top_f32(const float *x, const float *row_scale, const uint8_t *w, const uint16_t *d,
+                           const uint16_t *m, int bits, const uint16_t *w_bound, const float *w_bound_max,
+                           const float *bias, float *y, int64_t rows, int64_t in, int64_t out, int num_threads) {
+  const int64_t blocks = in / QBLOCK, tiles = out / TILE, tile_bytes = TILE * in * bits / 8;
+  const double widen = 1.0 + (double)(blocks + 4) / 1024;
+  const QuantRows q = quant_rows_new(rows, in, 1), q2 = quant_rows_new(rows, in, 2);
+  uint8_t *again = calloc(rows * tiles, 1);  /* [rows][tiles]: the tile goes again with two passes */
+#pragma omp parallel num_threads(num_threads)
+  {
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < (tiles + QTILE_GROUP - 1) / QTILE_GROUP; g++) {
-      const int64_t t0 = g * QTILE_GROUP;
-      const int T = tiles - t0 < QTILE_GROUP ? (int)(tiles - t0) : QTILE_GROUP;
-      float sums[QTILE_ROWS * QTILE_GROUP * TILE];
-      /* whole rows a chunk: QTILE_ROWS is a multiple of passes (1 or 2) */
-      for (int64_t r0 = 0; r0 < qrows; r0 += QTILE_ROWS) {
-        const int64_t n = qrows - r0 < QTILE_ROWS ? qrows - r0 : QTILE_ROWS, first = r0 / passes;
-        blocks_rows(n, T, bits, passes, xq + r0 * in, xs + first * blocks, xms + first * blocks,
-                    xsum + first * blocks, w + t0 * tile_bytes, tile_bytes, d + t0 * blocks * TILE,
-                    m ? m + t0 * blocks * TILE : NULL, in, sums);
-        for (int64_t r = 0; r < n / passes; r++)
-          for (int t = 0; t < T; t++) {
-            const int64_t col = (t0 + t) * TILE;
-            const float *sum = sums + (r * QTILE_GROUP + t) * TILE;
-            float *y_row = y + (first + r) * out + col;
-            for (int c = 0; c < TILE; c++) y_row[c] = bias ? sum[c] + bias[col + c] : sum[c];
-          }
+    for (int64_t r = 0; r < rows; r++) {
+      quantize_row_at(&q, x, row_scale, r, in, 1);
+      quantize_row_at(&q2, x, row_scale, r, in, 2);
+    }
+    blocks_product(&q, rows, 1, w, d, m, bits, bias, y, in, out);
+    int64_t *near = malloc(sizeof(int64_t) * out);
+    double *reach = malloc(sizeof(double) * out);
+    float *tile_top = malloc(sizeof(float) * tiles);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+      const float *y_row = y + r * out, *half_step = q.xs + r * blocks;
+      float top = -INFINITY;
+      for (int64_t t = 0; t < tiles; t++) {
+        tile_top[t] = max16(y_row + t * TILE);
+        top = tile_top[t] > top ? tile_top[t] : top;
+      }
+      double largest = 0.0;  /* 2 E at its largest */
+      for (int64_t b = 0; b < blocks; b++) largest += (double)half_step[b] * (double)w_bound_max[b];
+      const double slack = (fabs((double)top) + largest) / 1048576, floor = (double)top - largest * widen - 2 * slack;
+      int64_t n = 0;
+      double lower = -INFINITY;  /* L */
+      for (int64_t c = 0; c < out; c++) {
+        if ((double)tile_top[c / TILE] < floor) {
+          c += TILE - 1 - c % TILE;  /* the tile's next */
+          continue;
+        }
+        if ((double)y_row[c] < floor) continue;
+        double e = 0.0;  /* 2 E[r, c] */
+        for (int64_t b = 0; b < blocks; b++) e += (double)half_step[b] * (double)half_to_float(w_bound[c * blocks + b]);
+        e = e / 2 * widen + slack;
+        const double low = (double)y_row[c] - e;
+        lower = low > lower ? low : lower;
+        near[n] = c;
+        reach[n++] = (double)y_row[c] + e;
+      }
+      for (int64_t k = 0; k < n; k++)
+        if (reach[k] >= lower) again[r * tiles + near[k] / TILE] = 1;
+    }
+    free(near);
+    free(reach);
+    free(tile_top);
+    /* tile by tile, its rows gathered QTILE_ROWS / 2 at a time: each tile's weights read once */
+    const QuantRows chunk = quant_rows_new(QTILE_ROWS / 2, in, 2);
+    int8_t *xq = chunk.xq;
+    float *xs = chunk.xs, *xms = chunk.xms;
+    int32_t *xsum = chunk.xsum;
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t t = 0; t < tiles; t++) {
+      int64_t picked[QTILE_ROWS / 2];
+      int n = 0;
+      for (int64_t r = 0; r <= rows; r++) {
+        if (r < rows && again[r * tiles + t]) {
+          memcpy(xq + 2 * n * in, q2.xq + 2 * r * in, 2 * in);
+          memcpy(xs + n * blocks, q2.xs + r * blocks, sizeof(float) * blocks);
+          memcpy(xms + n * blocks, q2.xms + r * blocks, sizeof(float) * blocks);
+          memcpy(xsum + n * blocks, q2.xsum + r * blocks, sizeof(int32_t) * blocks);
+          picked[n++] = r;
+        }
+        if (n == QTILE_ROWS / 2 || (r == rows && n)) {
+          float sums[QTILE_ROWS * QTILE_GROUP * TILE];
+          blocks_rows(2 * n, 1, bits, 2, xq, xs, xms, xsum, w + t * tile_bytes, tile_bytes, d + t * blocks * TILE,
+                      m ? m + t * blocks * TILE : NULL, in, sums);
+          for (int k = 0; k < n; k++)
+            for (int c = 0; c < TILE; c++) {
+              const float sum = sums[k * QTILE_GROUP * TILE + c];
+              y[picked[k] * out + t * TILE + c] = bias ? sum + bias[t * TILE + c] : sum;
+            }
+          n = 0;
+        }
       }
     }
+    quant_rows_free(chunk);
   }
-  free(xq);
-  free(xs);
-  free(xms);
-  free(xsum);
+  free(again);
+  quant_rows_free(q);
+  quant_rows_free(q2);
 }
 
 /* out [n, in] = rows ids[k] of a block weight (the tiles above) as float32: d * q, then + m (two roundings, as

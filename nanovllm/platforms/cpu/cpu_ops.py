@@ -46,6 +46,7 @@ SIGNATURES = {
     "linear_i8_f32": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
     "linear_i8_tiles_f32": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
     "linear_blocks_f32": [_P, _P, _P, _P, _P, _I32, _I32, _P, _P, _I64, _I64, _I64, _I32],
+    "linear_blocks_top_f32": [_P, _P, _P, _P, _P, _I32, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
 }
 
 
@@ -473,6 +474,12 @@ def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | Non
     row_scale [rows] or [rows, 1] (2-D x only): the input is x's rows times it."""
     if passes not in (1, 2):
         raise ValueError(f"passes must be 1 or 2, got {passes}")
+    return _block_product(load().linear_blocks_f32, x, weight, (passes,), bias, row_scale)
+
+
+def _block_product(product, x: torch.Tensor, weight: BlockWeight, args: tuple, bias: torch.Tensor | None,
+                   row_scale: torch.Tensor | None) -> torch.Tensor:
+    """y [..., out] of one of cpu_ops.c's block products (x, row_scale, the weight's blocks, args, bias, y, sizes)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1]).contiguous()
     rows, in_features = x.shape
@@ -480,7 +487,44 @@ def linear_blocks(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | Non
     y = x.new_empty(rows, out_features)
     if row_scale is not None:
         row_scale = row_scale.contiguous()
-    load().linear_blocks_f32(x.data_ptr(), _ptr(row_scale), weight.tiles.data_ptr(), weight.d.data_ptr(),
-                             _ptr(weight.m), weight.bits, passes, _ptr(bias), y.data_ptr(), rows, in_features,
-                             out_features, torch.get_num_threads())
+    product(x.data_ptr(), _ptr(row_scale), weight.tiles.data_ptr(), weight.d.data_ptr(), _ptr(weight.m), weight.bits,
+            *args, _ptr(bias), y.data_ptr(), rows, in_features, out_features, torch.get_num_threads())
     return y.view(*shape[:-1], out_features)
+
+
+class BlockBound(NamedTuple):
+    """A block weight's bounds for linear_blocks_top: per_channel float16 [out, in / 32], at least channel c's sum of
+    |w| over each block of 32 inputs (the float32 weight dequantize_blocks gives, summed in float64, rounded up),
+    and largest float32 [in / 32], at least every channel's."""
+
+    per_channel: torch.Tensor
+    largest: torch.Tensor
+
+
+# channels of a weight block_bound dequantizes at a time (bounds its memory)
+BOUND_ROWS = 4096
+
+
+def block_bound(weight: BlockWeight) -> BlockBound:
+    """The BlockBound of a block weight, BOUND_ROWS channels at a time (no float copy of the whole weight)."""
+    out_features, in_features = weight.shape
+    parts = []
+    for start in range(0, out_features, BOUND_ROWS):
+        rows = dequantize_rows(weight, torch.arange(start, min(start + BOUND_ROWS, out_features)))
+        exact = rows.double().abs().view(rows.shape[0], -1, QUANT_BLOCK).sum(-1)
+        rounded = exact.half()
+        parts.append(torch.where(rounded.double() < exact, torch.nextafter(rounded, torch.full_like(rounded, torch.inf)),
+                                 rounded))
+    per_channel = torch.cat(parts).contiguous()
+    return BlockBound(per_channel, per_channel.float().amax(0).contiguous())
+
+
+def linear_blocks_top(x: torch.Tensor, weight: BlockWeight, bound: BlockBound, bias: torch.Tensor | None,
+                      row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_blocks with one pass, except that each row's tiles of 16 outputs that may hold its two-pass maximum
+    come with two passes (cpu_ops.c, linear_blocks_top_f32): each row's largest output, and every output that may
+    be the two-pass product's largest, is linear_blocks(passes=2)'s bit for bit (a greedy token is the two-pass
+    one's); the others are one pass's. bound: block_bound(weight). x [..., in] float32; row_scale as
+    linear_blocks'."""
+    return _block_product(load().linear_blocks_top_f32, x, weight,
+                          (bound.per_channel.data_ptr(), bound.largest.data_ptr()), bias, row_scale)

@@ -127,26 +127,38 @@ class Int8Linear(LinearMethod):
 
 
 class BlockLinear(LinearMethod):
-    """4- or 8-bit weight blocks (platforms/cpu/cpu_ops.BlockWeight) at every row count."""
+    """4- or 8-bit weight blocks (platforms/cpu/cpu_ops.BlockWeight) at every row count; activations in ``passes``
+    int8 passes (1 or 2), and with ``refine_top`` (one pass only: an LM head) each row's outputs near its largest
+    again with two passes (cpu_ops.linear_blocks_top: a greedy token is the two-pass product's)."""
 
     owns_weight = True
 
-    def __init__(self, weight: cpu_ops.BlockWeight, passes: int = 2):
+    def __init__(self, weight: cpu_ops.BlockWeight, passes: int = 2, refine_top: bool = False):
         if passes not in (1, 2):
             raise ValueError(f"passes must be 1 or 2, got {passes}")
-        self.weight, self.passes = weight, passes
+        if refine_top and passes != 1:
+            raise ValueError("refine_top takes one pass (two passes are two passes everywhere)")
+        self.weight, self.passes, self.refine_top = weight, passes, refine_top
+        self.bound = cpu_ops.block_bound(weight) if refine_top else None
         # a decode step calls ~120 of these: its arguments that never change, looked up once (the tensors live
         # as long as the weight)
         self.out_features, self.in_features = weight.shape
-        self._product = cpu_ops.load().linear_blocks_f32
-        self._weight_args = (weight.tiles.data_ptr(), weight.d.data_ptr(), cpu_ops._ptr(weight.m), weight.bits,
-                             passes)
+        lib = cpu_ops.load()
+        blocks = (weight.tiles.data_ptr(), weight.d.data_ptr(), cpu_ops._ptr(weight.m), weight.bits)
+        if refine_top:
+            self._product = lib.linear_blocks_top_f32
+            self._weight_args = (*blocks, self.bound.per_channel.data_ptr(), self.bound.largest.data_ptr())
+        else:
+            self._product, self._weight_args = lib.linear_blocks_f32, (*blocks, passes)
 
     def apply(self, layer, x, bias):
-        if isinstance(x, RowScaled):
-            return cpu_ops.linear_blocks(x.values, self.weight, bias, x.scale, self.passes)
-        if x.dim() != 2 or not x.is_contiguous() or x.dtype != torch.float32 or x.shape[1] != self.in_features:
-            return cpu_ops.linear_blocks(x, self.weight, bias, passes=self.passes)
+        if (isinstance(x, RowScaled) or x.dim() != 2 or not x.is_contiguous() or x.dtype != torch.float32
+                or x.shape[1] != self.in_features):
+            values, scale = (x.values, x.scale) if isinstance(x, RowScaled) else (x, None)
+            if self.refine_top:
+                return cpu_ops.linear_blocks_top(values, self.weight, self.bound, bias, scale)
+            return cpu_ops.linear_blocks(values, self.weight, bias, scale, self.passes)
+        # the compiled product's arguments in place (the two products take them in the same order)
         rows = x.shape[0]
         y = x.new_empty(rows, self.out_features)
         self._product(x.data_ptr(), None, *self._weight_args, None if bias is None else bias.data_ptr(),
@@ -154,10 +166,30 @@ class BlockLinear(LinearMethod):
         return y
 
 
-def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False, block_passes: int = 2) -> LinearMethod:
+# The blocks' activation passes of a layer by its role (its module's last name; "lm_head": a model's LM head), where
+# NANOVLLM_CPU_BLOCK_PASSES does not set one number for all; measured on SmolLM2 (docs/benchmarks.md): one pass
+# in the MLP's gate/up projection (half of a layer's products; top-1 agreement with float32 teacher-forced 99.9 ->
+# 98.1 %), the LM head one pass with each row's near-top outputs in two (ONE_PASS_TOP: its greedy tokens are two
+# passes'), two elsewhere (one pass in qkv_proj or down_proj, or a plain one-pass LM head, each flips the near-tie
+# of "What is the capital of France?": "The" -1.88 against "L" -1.97 in float32).
+ONE_PASS_TOP = "one pass, near-top two"
+BLOCK_PASSES_BY_ROLE: dict[str, int | str] = {"gate_up_proj": 1, "lm_head": ONE_PASS_TOP}
+
+
+def block_passes_of(role: str, forced: int | None) -> tuple[int, bool]:
+    """(passes, refine_top) of BlockLinear for a layer of this role; forced: NANOVLLM_CPU_BLOCK_PASSES (1 or 2 for
+    every layer and the LM head alike) or None (BLOCK_PASSES_BY_ROLE, else 2)."""
+    if forced is not None:
+        return forced, False
+    chosen = BLOCK_PASSES_BY_ROLE.get(role, 2)
+    return (1, True) if chosen == ONE_PASS_TOP else (chosen, False)
+
+
+def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False, block_passes: int | None = 2,
+                  role: str = "") -> LinearMethod:
     """The method of kind (settings.CPU_LINEAR_METHODS) for a float weight [out, in]; the default (F.linear on the
     float weight) where the kind does not take this weight (a bfloat16 weight under int8 or fp16, a shape the
-    block kernels do not tile)."""
+    block kernels do not tile). block_passes, role: see block_passes_of."""
     if kind == "packed":
         return PackedLinear(weight)
     if weight.dtype != torch.float32:  # the others compute in float32 (the config sees to it)
@@ -168,7 +200,7 @@ def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False, blo
         return Int8Linear(weight, int8_tiles)
     if kind == "blocks":
         blocks = cpu_ops.block_weight(weight)
-        return UNQUANTIZED if blocks is None else BlockLinear(blocks, block_passes)
+        return UNQUANTIZED if blocks is None else BlockLinear(blocks, *block_passes_of(role, block_passes))
     return UNQUANTIZED
 
 
@@ -186,12 +218,15 @@ def check_fbgemm(what: str) -> None:
                          f"{torch.backends.quantized.supported_engines}.")
 
 
-def use_linear_methods(model: torch.nn.Module, kind: str, int8_tiles: bool = False, block_passes: int = 2) -> int:
+def use_linear_methods(model: torch.nn.Module, kind: str, int8_tiles: bool = False,
+                       block_passes: int | None = None) -> int:
     """Give every linear layer and the LM head of a loaded CPU model the method of kind; returns how many changed.
 
     kind: the config's ``cpu_linear`` (settings.CPU_LINEAR_METHODS). int8_tiles: int8's steps of many rows
     through the compiled tiles (the config's ``cpu.int8_tiles``); block_passes: the blocks' activation passes
-    (``cpu.block_passes``)."""
+    (``cpu.block_passes``: 1 or 2 for all, None: by role, block_passes_of)."""
+    from nanovllm.layers.embedding import ParallelLMHead
+
     if kind == "float":
         return 0
     if kind in ("int8", "fp16"):
@@ -202,11 +237,12 @@ def use_linear_methods(model: torch.nn.Module, kind: str, int8_tiles: bool = Fal
         if isinstance(weight, torch.Tensor):
             users[id(weight)] = users.get(id(weight), 0) + 1
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if (getattr(module, "linear_method", None) is not UNQUANTIZED or module.weight.device.type != "cpu"
                 or module.weight.dtype not in (torch.float32, torch.bfloat16)):  # a method chosen before (fp8)
             continue
-        method = linear_method(module.weight, kind, int8_tiles, block_passes)
+        role = "lm_head" if isinstance(module, ParallelLMHead) else name.rpartition(".")[2]
+        method = linear_method(module.weight, kind, int8_tiles, block_passes, role)
         if method is not UNQUANTIZED:
             set_linear_method(module, method, release=users[id(module.weight)] == 1)
             count += 1

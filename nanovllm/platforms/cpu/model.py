@@ -11,7 +11,7 @@ from nanovllm.platforms.cpu.layers import CpuRMSNorm, CpuSiluAndMul, use_block_e
 from nanovllm.platforms.cpu.linear import Int8Linear, use_linear_methods
 
 
-def prepare_model(model: nn.Module, kind: str, int8_tiles: bool = False, block_passes: int = 2) -> None:
+def prepare_model(model: nn.Module, kind: str, int8_tiles: bool = False, block_passes: int | None = None) -> None:
     """kind: the config's ``cpu_linear`` (settings.CPU_LINEAR_METHODS); int8_tiles, block_passes: the config's
     ``cpu.int8_tiles`` and ``cpu.block_passes``."""
     use_cpu_layers(model)

@@ -73,13 +73,16 @@ def pack_wanted() -> bool:
     return os.environ.get("NANOVLLM_CPU_PACK", "0") == "1" and torch.backends.mkldnn.is_available()
 
 
-def block_passes() -> int:
-    """How many int8 passes the block kernels quantize activations in: NANOVLLM_CPU_BLOCK_PASSES=1 (int8 blocks
-    of 32, as llama.cpp: faster for many rows, but SmolLM2's near-tied first token of "What is the capital of
-    France?" then goes the other way) or 2 (the default: the rounding's remainder as a second pass, ~15 bits)."""
-    value = os.environ.get("NANOVLLM_CPU_BLOCK_PASSES", "2")
+def block_passes() -> int | None:
+    """How many int8 passes the block kernels quantize activations in: NANOVLLM_CPU_BLOCK_PASSES=1 (int8 blocks of
+    32 everywhere, as llama.cpp: fastest for many rows, but SmolLM2's near-tied first token of "What is the capital
+    of France?" then goes the other way) or 2 (everywhere: the rounding's remainder as a second pass, ~15 bits);
+    unset (None, the default): by each layer's role (platforms/cpu/linear.BLOCK_PASSES_BY_ROLE)."""
+    value = os.environ.get("NANOVLLM_CPU_BLOCK_PASSES")
+    if value is None:
+        return None
     if value not in ("1", "2"):
-        raise ValueError(f"NANOVLLM_CPU_BLOCK_PASSES must be 1 or 2, got {value!r}.")
+        raise ValueError(f"NANOVLLM_CPU_BLOCK_PASSES must be 1 or 2 (or unset: by role), got {value!r}.")
     return int(value)
 
 
@@ -91,7 +94,7 @@ class CpuSettings:
     blocks: bool  # the block kernels run with SIMD here (blocks_available)
     int8_tiles: bool  # NANOVLLM_CPU_INT8_TILES, resolved
     pack: bool  # NANOVLLM_CPU_PACK
-    block_passes: int = 2  # NANOVLLM_CPU_BLOCK_PASSES
+    block_passes: int | None = None  # NANOVLLM_CPU_BLOCK_PASSES (None: by role)
 
     @classmethod
     def detect(cls) -> CpuSettings:
