@@ -109,6 +109,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (input() then edits the line and keeps this session's history)
+        wake_main_thread_on_sigint()
     llm = load_llm(args)
     params = sampling_params_from(args)
     opening = [{"role": "system", "content": args.system}] if args.system else []
@@ -159,6 +160,30 @@ def read_message(interactive: bool) -> str | None:
             return None
         except KeyboardInterrupt:
             print()  # a fresh prompt, as a shell gives
+
+
+def wake_main_thread_on_sigint() -> None:
+    """Make a Ctrl-C always interrupt the main thread's wait for input. The kernel may deliver SIGINT to any thread
+    (torch's own, say); Python then only notes it, and input() would go on waiting in select() for the line the
+    terminal just discarded. A watcher reads the signal's wakeup byte and sends the main thread a no-op SIGUSR1:
+    its wait ends, and the noted SIGINT raises KeyboardInterrupt there."""
+    import threading
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    main = threading.main_thread().ident
+
+    def watch() -> None:
+        while True:
+            received = os.read(read_end, 64)
+            if not received:
+                return
+            if signal.SIGINT in received:
+                signal.pthread_kill(main, signal.SIGUSR1)
+
+    threading.Thread(target=watch, name="nanovllm-sigint-waker", daemon=True).start()
 
 
 class InterruptFlag:

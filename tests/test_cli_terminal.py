@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -64,6 +65,27 @@ def test_chat_at_a_terminal_help_interrupt_and_end_of_input():
         child.close()
     assert child.exitstatus == 0, transcript
     assert "Traceback" not in transcript
+
+
+def test_a_ctrl_c_taken_by_another_thread_still_drops_the_line_at_the_prompt():
+    # The kernel may hand a process's SIGINT to any of its threads; send it to one that is not the main thread.
+    libc = ctypes.CDLL(None, use_errno=True)
+    child = spawn("chat", "--max-tokens", "4")
+    try:
+        child.expect(PROMPT)
+        child.sendline("Hi")  # one reply first, so the engine's threads exist
+        child.expect(PROMPT)
+        others = [int(t) for t in os.listdir(f"/proc/{child.pid}/task") if int(t) != child.pid]
+        assert others, "the chat has no thread besides its main one"
+        child.send("half a line")
+        child.expect_exact("half a line")
+        assert libc.tgkill(child.pid, others[0], signal.SIGINT) == 0, ctypes.get_errno()
+        child.expect(PROMPT, timeout=30)
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
 
 
 def test_generate_without_prompts_at_a_terminal_says_it_reads_stdin():
