@@ -324,7 +324,7 @@ class OpenAIServer:
         job = _Job(self.llm, raw, request_id,
                    [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts], params).start()
         if body.stream:
-            return _sse(self._stream_completion(body, job, prompts))
+            return _EventStream(self._stream_completion(body, job, prompts))
         finals = await job.finals()
         if finals is None:
             return Response(status_code=499)  # the client left; nobody reads this
@@ -414,7 +414,7 @@ class OpenAIServer:
         job = _Job(self.llm, raw, request_id, [{"prompt_token_ids": ids}], [params]).start()
         top = body.top_logprobs or 0
         if body.stream:
-            return _sse(self._stream_chat(body, job, top, outputs))
+            return _EventStream(self._stream_chat(body, job, top, outputs))
         finals = await job.finals()
         if finals is None:
             return Response(status_code=499)
@@ -662,10 +662,6 @@ class _EventStream(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.events.aclose()  # its requests are aborted now if it did not finish (a send failed)
-
-
-def _sse(events: AsyncGenerator[str, None]) -> _EventStream:
-    return _EventStream(events)
 
 
 class _Progress:

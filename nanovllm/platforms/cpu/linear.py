@@ -185,7 +185,7 @@ def block_passes_of(role: str, forced: int | None) -> tuple[int, bool]:
     return (1, True) if chosen == ONE_PASS_TOP else (chosen, False)
 
 
-def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False, block_passes: int | None = 2,
+def linear_method(weight: torch.Tensor, kind: str, int8_tiles: bool = False, block_passes: int | None = None,
                   role: str = "") -> LinearMethod:
     """The method of kind (settings.CPU_LINEAR_METHODS) for a float weight [out, in]; the default (F.linear on the
     float weight) where the kind does not take this weight (a bfloat16 weight under int8 or fp16, a shape the
