@@ -1,11 +1,11 @@
 """The wall time of one step with a prefill in it, by prompt length: what a running request's next token waits for
-whenever a new prompt joins (such steps run eager; CUDA graphs cover decode-only steps).
+whenever a new prompt joins (by default such steps replay piecewise CUDA graphs: engine/piecewise_graphs.py).
 
 Each timed call is ``LLM.generate`` of one fresh random prompt with one output token (prefix caching off), so it
 is one prefill step plus the call's own bookkeeping. Prints a table (median and min ms after warm-up calls) and
 writes JSON.
 
-    python benchmarks/prefill_step.py --prompt-lens 16 512 2048
+    python benchmarks/prefill_step.py --prompt-lens 16 512 2048 [--cudagraph-mode full_decode_only]
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ def main() -> None:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[16, 512])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (a prefill step is eager anyway)")
+    parser.add_argument("--cudagraph-mode", default="full_and_piecewise",
+                        help="full_and_piecewise (the default: such a step replays graphs in pieces), "
+                             "full_decode_only (it runs eager), piecewise or none")
     parser.add_argument("--out", default="results/prefill_step.json")
     args = parser.parse_args()
 
-    llm = LLM(args.model, load_format="dummy", enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+    llm = LLM(args.model, load_format="dummy", enable_prefix_caching=False, cudagraph_mode=args.cudagraph_mode,
               max_model_len=max(4096, max(args.prompt_lens) + 1))
     rng = random.Random(0)
     device = str(llm.llm_engine.config.device)
@@ -66,7 +68,7 @@ def main() -> None:
         print(f"{row['prompt_len']:>13}  {row['median_ms']:>9.2f}  {row['min_ms']:>7.2f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"model": args.model, "device": device,
+        json.dump({"model": args.model, "device": device, "cudagraph_mode": args.cudagraph_mode,
                    "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
 

@@ -104,6 +104,8 @@ class StepProfiler:
         self._wrap(runner, "_forward", "forward (eager)")
         if runner.graphs is not None:
             self._wrap(runner.graphs, "replay", "forward (graph)")
+        if runner.piecewise is not None:
+            self._wrap(runner.piecewise, "replay", "forward (pieces)")
         self._wrap(runner.model, "compute_logits", "logits")
         self._wrap(runner, "sampler", "sample")
 

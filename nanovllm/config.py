@@ -25,6 +25,9 @@ KV_CACHE_DTYPES = {**DTYPES, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3":
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREFIX_CACHING_HASH_ALGOS = ("xxh64", "sha256")  # the keys of engine/block_manager.py's BLOCK_HASHES
 QUANTIZATIONS = (None, "fp8")
+# vLLM's names: decode-only steps in full graphs and the others in pieces (attention eager between them),
+# decode-only steps alone in full graphs, every step in pieces, or no graph (as enforce_eager)
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "piecewise", "none")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 # The CPU's default token budget of one step: a prefill's activations and temporaries grow with it (a step of
 # 8,192 tokens held ~340 MB of them on the embedded model), and on the CPU a longer step computes no more tokens a
@@ -61,7 +64,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = None  # "cuda" when available, else "cpu"
     seed: int = 0
-    enforce_eager: bool = False  # no CUDA graphs
+    enforce_eager: bool = False  # no CUDA graphs (cudagraph_mode "none")
+    # which steps replay CUDA graphs (CUDAGRAPH_MODES; engine/cuda_graph.py, engine/piecewise_graphs.py)
+    cudagraph_mode: str = "full_and_piecewise"
     load_format: str = "auto"
     tensor_parallel_size: int = 1
     # CUDA tensor parallelism: NCCL for every all-reduce, not the engine's own for small tensors
@@ -131,6 +136,8 @@ class EngineConfig:
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {PREFIX_CACHING_HASH_ALGOS}, "
                              f"got {self.prefix_caching_hash_algo!r}.")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}.")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.load_format not in LOAD_FORMATS:
@@ -171,6 +178,14 @@ class EngineConfig:
         if self.async_scheduling is None:
             return self.is_cuda
         return self.async_scheduling
+
+    @property
+    def full_decode_graphs(self) -> bool:
+        return self.is_cuda and not self.enforce_eager and self.cudagraph_mode.startswith("full")
+
+    @property
+    def piecewise_graphs(self) -> bool:
+        return self.is_cuda and not self.enforce_eager and self.cudagraph_mode.endswith("piecewise")
 
     @property
     def is_cuda(self) -> bool:

@@ -27,7 +27,10 @@ HELP = {
              "--cpu-int8, --cpu-fp16 or an int8 KV cache), float32, float16 or bfloat16",
     "device": "cpu or cuda (default: cuda when available)",
     "seed": "random seed of sampling and of dummy weights",
-    "enforce_eager": "no CUDA graphs",
+    "enforce_eager": "no CUDA graphs (as --cudagraph-mode none)",
+    "cudagraph_mode": "CUDA graphs (vLLM's modes): full_and_piecewise (decode-only steps replay whole graphs, "
+                      "other steps of up to 8192 tokens graphs of the layers between their attention calls), "
+                      "full_decode_only, piecewise (every step) or none",
     "load_format": "auto, safetensors, gguf or dummy (random weights from config.json)",
     "tensor_parallel_size": "number of GPUs (or CPU processes) to split the model across",
     "disable_custom_all_reduce": "tensor parallelism on CUDA: all-reduce with NCCL only, not with the engine's "

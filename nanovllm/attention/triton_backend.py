@@ -6,6 +6,7 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.pieces import piece_recorder
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -16,6 +17,8 @@ class TritonAttentionBackend(AttentionBackend):
     ``max_query_len`` (grid of the prefill kernel) and ``max_seq_len`` (split plan of the decode
     kernel: it must bound every request's seq_len; when capturing a decode CUDA graph, set it to the
     largest length the graph will replay with, e.g. max_model_len, since keys past it are not read).
+    While a forward is captured in pieces (attention/pieces.py), attention over the cache is handed to the
+    recorder and runs eagerly between the pieces; the K/V store stays inside them.
     """
 
     name = "triton"
@@ -50,23 +53,32 @@ class TritonAttentionBackend(AttentionBackend):
 
         rotary: a RotaryEmbedding (its float32 cos/sin tables); q_norm, k_norm: RMSNorm modules or None.
         """
+        recorder = piece_recorder()
+        q_out = None if recorder is None else recorder.q_destination(num_heads, k_cache.shape[-1])
         q = self._norm_rope_store(qkv, positions, rotary.cos, rotary.sin,
                                   None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                                   0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, meta.slot_mapping,
-                                  num_heads, num_kv_heads, k_scale, v_scale)
+                                  num_heads, num_kv_heads, k_scale, v_scale, q_out=q_out)
         return self._attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
         """Attention of q over the cache, whose K/V for this step's tokens are already stored."""
-        out = torch.empty_like(q)
+        recorder = piece_recorder()
+        if recorder is not None:
+            return recorder.split(q, lambda q, out, meta: self._attend_into(q, k_cache, v_cache, meta, scale,
+                                                                             k_scale, v_scale, out))
+        return self._attend_into(q, k_cache, v_cache, meta, scale, k_scale, v_scale, torch.empty_like(q))
+
+    def _attend_into(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, k_scale: float, v_scale: float, out: torch.Tensor) -> torch.Tensor:
         nd = meta.num_decodes
         if nd:
             self._decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                                    scale, meta.max_seq_len, out=out[:nd], k_scale=k_scale, v_scale=v_scale)
         if meta.num_prefills:
             # Decodes hold one token each, so the prefill tokens start at token nd.
-            cu = meta.cu_seqlens_q[nd:] - nd
+            cu = meta.cu_seqlens_q[nd:] - nd if nd else meta.cu_seqlens_q
             self._prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:], cu, meta.seq_lens[nd:],
                                     scale, meta.max_query_len, out=out[nd:], k_scale=k_scale, v_scale=v_scale)
         return out

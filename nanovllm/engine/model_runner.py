@@ -115,21 +115,30 @@ class ModelRunner:
         self.seed_source = np.random.default_rng(config.seed) if self.device.type == "cuda" else None
         self.num_kvcache_blocks = self._agree_across_ranks(self._decide_num_blocks())
         self._allocate_kv_cache(self.num_kvcache_blocks)
-        self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        self.graphs = self.piecewise = None
+        if config.full_decode_graphs:
             from nanovllm.engine.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
+        if config.piecewise_graphs and self.backend.name == "triton":  # the torch reference loops on the host
+            from nanovllm.engine.piecewise_graphs import MAX_PIECEWISE_TOKENS, PiecewiseGraphs
+            self.piecewise = PiecewiseGraphs(self, min(config.max_num_batched_tokens, MAX_PIECEWISE_TOKENS))
 
     def close(self) -> None:
-        """Release the CUDA graphs (before a tensor-parallel process group is destroyed) and the KV pool."""
-        if self.graphs is not None:
-            self.graphs.close()
-            self.graphs = None
+        """Release the CUDA graphs (before a tensor-parallel process group is destroyed) and the KV pool (its
+        memory goes back to the device at once, the weights when the engine is dropped)."""
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.close()
+        self.graphs = self.piecewise = None
         if self.custom_all_reduce is not None:
             self.tp.custom_all_reduce = None
             self.custom_all_reduce.close()
             self.custom_all_reduce = None
+        for layer in self.model.attention_layers():  # their views would keep the whole pool alive
+            layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # so that an engine made next in this process can size its pool from it
 
     # -- KV pool -------------------------------------------------------------------------------------------------
     @property
@@ -261,6 +270,8 @@ class ModelRunner:
             prompt_logprob_seqs = []  # decodes only; the sequences' step fields still describe the step before
         if self.graphs is not None and batch.is_decode_only and self.graphs.fits(batch.meta.num_seqs):
             hidden = self.graphs.replay(batch)
+        elif self.piecewise is not None and self.piecewise.fits(batch.input_ids.shape[0]):
+            hidden = self.piecewise.replay(batch)
         else:
             hidden = self._forward(batch)
         if slice_sampling is not None:

@@ -107,7 +107,8 @@ def _norm_rope_store_kernel(
 def norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    num_heads: int, num_kv_heads: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    num_heads: int, num_kv_heads: int, k_scale: float = 1.0, v_scale: float = 1.0, *,
+                    q_out: torch.Tensor | None = None) -> torch.Tensor:
     """The rotated (and normed) q of each token; its rotated (and normed) k and its v go into the cache.
 
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], q then k then v, unit stride on the last dim.
@@ -115,8 +116,9 @@ def norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     q_weight, k_weight: the q/k RMSNorm weights [head_dim], or both None for a model without q/k norm.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous; slot_mapping: [num_tokens]
     int64, -1 = not stored; an fp8 (e4m3) cache stores K / k_scale and V / v_scale (attention/kv_fp8.py).
-    Returns q: [num_tokens, num_heads, head_dim] in qkv's dtype.
-    No host sync; the only allocation is q: safe inside a CUDA graph.
+    Returns q: [num_tokens, num_heads, head_dim] in qkv's dtype, written into q_out (contiguous, that shape and
+    dtype) when given.
+    No host sync; the only allocation is q (none with q_out): safe inside a CUDA graph.
     """
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -132,7 +134,12 @@ def norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     assert (q_weight is None) == (k_weight is None), "give both q/k norm weights or neither"
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     assert fp8 or k_scale == v_scale == 1.0, f"scales {k_scale}, {v_scale} given for a {k_cache.dtype} cache"
-    q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if q_out is None:
+        q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    else:
+        assert q_out.shape == (num_tokens, num_heads, head_dim) and q_out.dtype == qkv.dtype \
+            and q_out.is_contiguous(), f"q_out {tuple(q_out.shape)} {q_out.dtype} is not a contiguous q"
+        q = q_out
     if num_tokens == 0:
         return q
     norm = q_weight is not None

@@ -61,6 +61,7 @@ def test_unknown_engine_argument(tiny_qwen3):
     (dict(kvcache_block_size=24), "kvcache_block_size"),
     (dict(dtype="float8"), "dtype"),
     (dict(max_model_len=10**6), "max_model_len"),
+    (dict(cudagraph_mode="full"), "cudagraph_mode .* 'full'"),
 ])
 def test_bad_engine_arguments(tiny_qwen3, kwargs, field):
     with pytest.raises(ValueError, match=field):
