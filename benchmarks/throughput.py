@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--workload", nargs="+", default=["W1", "W2"], choices=["W1", "W2"])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--cudagraph-mode", default="full_and_piecewise",
+                        help="full_and_piecewise, full_decode_only, piecewise or none")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -230,7 +232,7 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(args.model, load_format="dummy", enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
+              cudagraph_mode=args.cudagraph_mode, tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kvcache_block_size=args.kvcache_block_size, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
@@ -260,7 +262,8 @@ def main() -> None:
         row = dict(workload=name, requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
                    output_tokens=generated, seconds=round(seconds, 3), output_tok_s=round(generated / seconds, 1),
                    ceiling_tok_s=round(ceiling, 1), fraction_of_ceiling=round(generated / seconds / ceiling, 3),
-                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                   enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
+                   tensor_parallel_size=args.tensor_parallel_size,
                    custom_all_reduce=args.tensor_parallel_size > 1 and not args.disable_custom_all_reduce,
                    slice_sampling=args.tensor_parallel_size > 1 and not args.gather_logits,
                    preemptions=llm.scheduler.stats.num_preemptions, kv_blocks=llm.num_kvcache_blocks,
