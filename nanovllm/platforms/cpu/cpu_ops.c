@@ -966,24 +966,29 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
     for (int t = 0; t < T; t++) _mm512_storeu_ps(sums + (r * QTILE_GROUP + t) * TILE, acc[r][t]);
 }
 #elif QBLOCKS_SIMD == 1
-/* AVX2: a tile is two halves of 8 channels (one 256-bit register of 8 x 4 bytes each); one tile at a time. 4-bit:
+/* AVX2: a tile is two halves of 8 channels (one 256-bit register of 8 x 4 bytes each); H (1 or 2) halves at a time,
+   from w, d, m (the first half's) over every block, R int8 rows (R / P rows of P passes). Both halves at once read
+   a tile's weights in one sweep (what a row or two, bound by reading memory, wants); one half at a time keeps more
+   rows' sums in the 16 registers (both halves of 6 rows spilled every block: ~10 % slower at 64 rows). 4-bit:
    maddubs' 16-bit pair sums (<= 2 * 15 * 127) add up over a block's 8 products before widening (<= 30,480). 8-bit:
-   |q| times xq with q's sign (pair sums <= 2 * 127^2), widened after each product. */
-static inline __attribute__((always_inline)) void blocks_kernel(const int R, const int T, const int bits,
-    const int P, const int8_t *xq, const float *xs, const float *xms, const int32_t *xsum, const uint8_t *w,
-    int64_t tile_bytes, const uint16_t *d, const uint16_t *m, int64_t in, float *sums) {
-  (void)T; (void)tile_bytes;
+   |q| times xq with q's sign (pair sums <= 2 * 127^2), widened after each product. sums: [R / P][8 H] at a row
+   stride of QTILE_GROUP * TILE. */
+static inline __attribute__((always_inline)) void blocks_kernel(const int R, const int H, const int bits,
+    const int P, const int8_t *xq, const float *xs, const float *xms, const uint8_t *w, const uint16_t *d,
+    const uint16_t *m, int64_t in, float *sums) {
   const int64_t blocks = in / QBLOCK;
   __m256 acc[QTILE_ROWS][2];
-  for (int r = 0; r < R / P; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R / P; r++)
+    for (int h = 0; h < H; h++) acc[r][h] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; b++) {
     __m256i dot[QTILE_ROWS][2];
     if (bits == 4) {
       __m256i pairs[QTILE_ROWS][2];
-      for (int r = 0; r < R; r++) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < R; r++)
+        for (int h = 0; h < H; h++) pairs[r][h] = _mm256_setzero_si256();
       for (int64_t g = b * (QBLOCK / 8); g < (b + 1) * (QBLOCK / 8); g++)
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < H; h++) {
           const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
           const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; r++) {
@@ -994,11 +999,12 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
           }
         }
       for (int r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) dot[r][h] = _mm256_madd_epi16(pairs[r][h], ones);
+        for (int h = 0; h < H; h++) dot[r][h] = _mm256_madd_epi16(pairs[r][h], ones);
     } else {
-      for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < R; r++)
+        for (int h = 0; h < H; h++) dot[r][h] = _mm256_setzero_si256();
       for (int64_t k4 = b * (QBLOCK / 4); k4 < (b + 1) * (QBLOCK / 4); k4++)
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < H; h++) {
           const __m256i v = _mm256_loadu_si256((const __m256i *)(w + k4 * 64 + h * 32));
           const __m256i magnitude = _mm256_sign_epi8(v, v);
           for (int r = 0; r < R; r++) {
@@ -1008,7 +1014,7 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
           }
         }
     }
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < H; h++) {
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * TILE + h * 8)));
       const __m256 mv = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * TILE + h * 8)))
                                   : _mm256_setzero_ps();
@@ -1021,9 +1027,8 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
       }
     }
   }
-  (void)xsum;
   for (int r = 0; r < R / P; r++)
-    for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + r * QTILE_GROUP * TILE + h * 8, acc[r][h]);
+    for (int h = 0; h < H; h++) _mm256_storeu_ps(sums + r * QTILE_GROUP * TILE + h * 8, acc[r][h]);
 }
 #endif
 
@@ -1045,19 +1050,20 @@ static void blocks_rows(int64_t rows, int T, int bits, int passes, const int8_t 
 #undef KERNEL
   (void)blocks;
 #elif QBLOCKS_SIMD == 1
-  for (int t = 0; t < T; t++) {
-    float tile_sums[QTILE_ROWS * QTILE_GROUP * TILE];
-    const uint8_t *wt = w + t * tile_bytes;
-    const uint16_t *dt = d + t * blocks * TILE, *mt = m ? m + t * blocks * TILE : NULL;
-#define KERNEL(R, P) if (bits == 4) blocks_kernel(R, 1, 4, P, xq, xs, xms, xsum, wt, tile_bytes, dt, mt, in, tile_sums); \
-                     else blocks_kernel(R, 1, 8, P, xq, xs, xms, xsum, wt, tile_bytes, dt, mt, in, tile_sums);
-#define ROWS(R) case R: if (passes == 2) { KERNEL(R, 2) } else { KERNEL(R, 1) } break;
-    switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
+  /* up to 3 int8 rows: whole tiles; more: half a tile at a time (blocks_kernel) */
+  for (int t = 0; t < T; t++)
+    for (int h = 0; h < 2; h += rows <= 3 ? 2 : 1) {
+      const uint8_t *wh = w + t * tile_bytes + h * 32;
+      const uint16_t *dh = d + t * blocks * TILE + h * 8, *mh = m ? m + t * blocks * TILE + h * 8 : NULL;
+      float *out = sums + t * TILE + h * 8;
+#define KERNEL(R, H, P) if (bits == 4) blocks_kernel(R, H, 4, P, xq, xs, xms, wh, dh, mh, in, out); \
+                        else blocks_kernel(R, H, 8, P, xq, xs, xms, wh, dh, mh, in, out);
+#define ROWS(R, H) case R: if (passes == 2) { KERNEL(R, H, 2) } else { KERNEL(R, H, 1) } break;
+      switch (rows) { ROWS(1, 2) ROWS(2, 2) ROWS(3, 2) ROWS(4, 1) ROWS(5, 1) ROWS(6, 1) }
 #undef ROWS
 #undef KERNEL
-    for (int64_t r = 0; r < rows / passes; r++)
-      memcpy(sums + (r * QTILE_GROUP + t) * TILE, tile_sums + r * QTILE_GROUP * TILE, sizeof(float) * TILE);
-  }
+    }
+  (void)xsum;
 #else
   for (int64_t r = 0; r < rows / passes; r++)
     for (int t = 0; t < T; t++) {
