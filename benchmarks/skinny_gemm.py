@@ -3,9 +3,13 @@
 Each measurement is a CUDA graph of one product per layer over --layers distinct weights (as a decode step
 reads them: none is in L2 when its turn comes), replayed; the figure is microseconds per product and the
 weight bytes read per second. --sweep tries tile configurations besides the default and reports the best.
+--fp8 compares, for quantization="fp8" (e4m3 weights, a scale per output row), the bf16 product the engine
+would run against: the activations quantized by torch ops or by the one-kernel quantizer, then
+torch._scaled_mm; and for up to 16 rows the few-row GEMM over the e4m3 weight with e4m3 or bf16 activations.
 
     python benchmarks/skinny_gemm.py --rows 1 8 16 --out results/skinny_gemm.json
     python benchmarks/skinny_gemm.py --sweep --out results/skinny_sweep.json
+    python benchmarks/skinny_gemm.py --fp8 --rows 1 8 16 64 256 --out results/fp8_linear.json
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanovllm.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_linear  # noqa: E402
+from nanovllm.kernels.fp8 import quantize_rows_e4m3  # noqa: E402
+from nanovllm.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, default_config, skinny_linear, takes  # noqa: E402
+from nanovllm.layers.quantization.fp8 import quantize_rows  # noqa: E402
 
 # (name, N, K, gated) of one layer: Qwen3-0.6B and Qwen3-8B (TP=1)
 SHAPES = [("0.6b qkv", 4096, 1024, False), ("0.6b o", 1024, 2048, False), ("0.6b gate_up", 3072, 1024, True),
@@ -59,15 +65,88 @@ def library(x, weight, gated):
     return y
 
 
+def bf16_product(x, weight, gated):
+    """What the engine runs for a bf16 weight: the few-row kernel where it takes the product, else the library."""
+    if takes(x, weight, gated):
+        return skinny_linear(x, weight, gated=gated)
+    return library(x, weight, gated)
+
+
+def scaled_mm_product(x, weight, scale, gated, quantize):
+    x_fp8, x_scale = quantize(x)
+    y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y
+
+
+def few_row_fp8_product(x, weight, scale, gated, fp8_activations):
+    if not fp8_activations:
+        return skinny_linear(x, weight, gated=gated, weight_scale=scale.view(-1))
+    x_fp8, x_scale = quantize_rows_e4m3(x)
+    return skinny_linear(x_fp8, weight, gated=gated, weight_scale=scale.view(-1), x_scale=x_scale,
+                         out_dtype=x.dtype)
+
+
+def fp8_variants(x, weights, quantized, gated) -> dict:
+    """label -> fn(layer index) of each way to run the product of x with one layer's weight."""
+    variants = {
+        "bf16": lambda i: bf16_product(x, weights[i], gated),
+        "fp8 torch-quant + scaled_mm": lambda i: scaled_mm_product(x, *quantized[i], gated, quantize_rows),
+        "fp8 kernel-quant + scaled_mm": lambda i: scaled_mm_product(x, *quantized[i], gated, quantize_rows_e4m3),
+    }
+    if x.shape[0] <= MAX_ROWS:
+        variants["fp8 few-row, e4m3 x"] = lambda i: few_row_fp8_product(x, *quantized[i], gated, True)
+        variants["fp8 few-row, bf16 x"] = lambda i: few_row_fp8_product(x, *quantized[i], gated, False)
+    return variants
+
+
+def fp8_main(args, device) -> list[dict]:
+    results = []
+    for name, n, k, gated in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
+        rows_total = 2 * n if gated else n
+        layers = max(2, min(args.layers, int(6e9 // (rows_total * k * 2))))
+        weights = [torch.randn(rows_total, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
+        quantized = [quantize_rows(w) for w in weights]
+        for m in args.rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            expect = library(x, weights[0], gated)
+            variants = fp8_variants(x, weights, quantized, gated)
+            row = dict(shape=name, n=n, k=k, gated=gated, rows=m)
+            for label, fn in variants.items():
+                try:
+                    torch.testing.assert_close(fn(0), expect, rtol=0.15, atol=0.15)
+                    row[label] = round(graph_us(fn, layers), 2)
+                except Exception as error:
+                    print(f"  {name} m={m} {label}: {type(error).__name__}: {str(error)[:160]}")
+            results.append(row)
+            print(f"{name:<13} m={m:<4} " + "  ".join(f"{key} {value:7.2f}" for key, value in row.items()
+                                                      if isinstance(value, float)), flush=True)
+        weights.clear()
+        quantized.clear()
+        torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--shapes", nargs="+", default=None, help="names from SHAPES (default: all)")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="compare the fp8 linear layer's products (see above)")
     parser.add_argument("--out", default="results/skinny_gemm.json")
     args = parser.parse_args()
     device = torch.device("cuda")
+    if args.fp8:
+        results = fp8_main(args, device)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        return
     results = []
     for name, n, k, gated in SHAPES:
         if args.shapes and name not in args.shapes:

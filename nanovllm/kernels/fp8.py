@@ -1,7 +1,9 @@
-"""Triton helpers for the fp8 (e4m3) KV cache; the format itself is described in attention/kv_fp8.py."""
+"""Triton helpers for e4m3: the rounding the fp8 KV cache stores with (its format is described in
+attention/kv_fp8.py), and the rows of activations quantized with a scale each for fp8 linear layers."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,4 +24,44 @@ def to_e4m3(x, inv_scale):
     # 3 mantissa bits: a step of 2^(exponent - 3); subnormals (below 2^-6) share the step 2^-9
     step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magnitude = ((tl.abs(x) / step + _ROUNDING_MAGIC) - _ROUNDING_MAGIC) * step
-    return tl.where(x < 0, -magnitude, magnitude)  # what rounds to zero keeps its sign, as torch's cast does
+    # the sign bit of x (of -0.0 too), so that what rounds to zero keeps its sign, as torch's cast does
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+# the scale a row of zeros gets (its reciprocal would be infinite); layers/quantization/fp8.py uses the same
+MIN_ROW_SCALE = tl.constexpr(1e-12)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    """One program per row: its largest magnitude, then the row divided by max / 448 and rounded to e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    largest = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, cols, BLOCK):
+        mask = start + offsets < cols
+        x = tl.load(x_ptr + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
+        largest = tl.maximum(largest, tl.abs(x))
+    scale = tl.maximum(tl.max(largest, 0) / FP8_MAX, MIN_ROW_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, cols, BLOCK):
+        mask = start + offsets < cols
+        x = tl.load(x_ptr + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
+        # a division, not a product with 1 / scale: the same float32 quotient as the torch reference
+        x = to_e4m3(x / scale, 1.0)
+        tl.store(out_ptr + row * stride_out + start + offsets, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] (unit stride on cols) -> (e4m3 [rows, cols], float32 scale [rows, 1]), one kernel: the same
+    numbers as layers/quantization/fp8.quantize_rows, whose handful of torch kernels it replaces on CUDA."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"quantize_rows_e4m3 takes rows with unit stride, got {tuple(x.shape)}"
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(triton.next_power_of_2(max(cols, 16)), 4096)
+        _quantize_rows_kernel[(rows,)](x, out, scale, cols, x.stride(0), out.stride(0), BLOCK=block,
+                                       num_warps=4 if block <= 2048 else 8)
+    return out, scale

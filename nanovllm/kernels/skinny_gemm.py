@@ -11,6 +11,10 @@ the kernel as they captured it.
 
 Gated (SwiGLU's gate_up projection packed as [gate | up] rows of W): each program reads the gate and the up rows
 of its columns and stores silu(gate) * up, so the activation never makes a round trip through memory.
+
+fp8 (quantization="fp8"): W may be e4m3 with a float32 scale per output row, and x either 16-bit (the weight is
+upcast as it loads: half the bytes of a 16-bit weight read) or e4m3 with a scale per row (e4m3 products, as
+torch._scaled_mm computes them). The scales multiply the sums before the bias and the activation.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ def _skinny_gemm_kernel(
     x_ptr,              # [M, K], unit stride on K
     w_ptr,              # [N_total, K] contiguous: N rows, or 2N ([gate | up]) when GATED
     bias_ptr,           # [N_total] or unused
+    w_scale_ptr,        # [N_total] float32 when W_SCALED (an fp8 weight's scale per output row), else unused
+    x_scale_ptr,        # [M] float32 when X_SCALED (an fp8 x's scale per row), else unused
     out_ptr,            # [M, N], unit stride on N
     partial_ptr,        # [SPLIT_K, M, N_out_cols(x2 when GATED)] float32, when SPLIT_K > 1
     counter_ptr,        # [column blocks] int32 zeros, when SPLIT_K > 1
@@ -45,6 +51,8 @@ def _skinny_gemm_kernel(
     k_per_split,        # a multiple of BLOCK_K
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    X_SCALED: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -73,11 +81,11 @@ def _skinny_gemm_kernel(
         tile_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_cols + (k + ks)[:, None], mask=tile_mask, other=0.0)
         if UPCAST:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w)
+            x = x.to(tl.float32)
+        acc += tl.dot(x, _as_operand(w, x, UPCAST))
         if GATED:
             w_up = tl.load(w_cols + N * K + (k + ks)[:, None], mask=tile_mask, other=0.0)
-            acc_up += tl.dot(x, w_up.to(tl.float32) if UPCAST else w_up)
+            acc_up += tl.dot(x, _as_operand(w_up, x, UPCAST))
 
     if SPLIT_K > 1:
         width = 2 * N if GATED else N
@@ -96,16 +104,37 @@ def _skinny_gemm_kernel(
                 acc += tl.load(there, mask=mask, other=0.0, cache_modifier=".cg")
                 if GATED:
                     acc_up += tl.load(there + N, mask=mask, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, acc_up, bias_ptr, out_ptr, stride_om, rows, cols, row_mask, col_mask, N,
-                      HAS_BIAS, GATED)
+            _epilogue(acc, acc_up, bias_ptr, w_scale_ptr, x_scale_ptr, out_ptr, stride_om, rows, cols, row_mask,
+                      col_mask, N, HAS_BIAS, GATED, W_SCALED, X_SCALED)
             tl.store(counter_ptr + pid_n, 0)
     else:
-        _epilogue(acc, acc_up, bias_ptr, out_ptr, stride_om, rows, cols, row_mask, col_mask, N, HAS_BIAS, GATED)
+        _epilogue(acc, acc_up, bias_ptr, w_scale_ptr, x_scale_ptr, out_ptr, stride_om, rows, cols, row_mask,
+                  col_mask, N, HAS_BIAS, GATED, W_SCALED, X_SCALED)
 
 
 @triton.jit
-def _epilogue(acc, acc_up, bias_ptr, out_ptr, stride_om, rows, cols, row_mask, col_mask, N,
-              HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+def _as_operand(w, x, UPCAST: tl.constexpr):
+    """A loaded weight tile as tl.dot's right operand beside x: float32 under the interpreter, x's dtype when the
+    weight is e4m3 and x is not (e4m3 with e4m3 multiplies as it is)."""
+    if UPCAST:
+        return w.to(tl.float32)
+    if w.dtype != x.dtype:
+        return w.to(x.dtype)
+    return w
+
+
+@triton.jit
+def _epilogue(acc, acc_up, bias_ptr, w_scale_ptr, x_scale_ptr, out_ptr, stride_om, rows, cols, row_mask, col_mask,
+              N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, W_SCALED: tl.constexpr, X_SCALED: tl.constexpr):
+    if W_SCALED:
+        acc *= tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(w_scale_ptr + N + cols, mask=col_mask, other=0.0)[None, :]
+    if X_SCALED:
+        x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        acc *= x_scale
+        if GATED:
+            acc_up *= x_scale
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -144,7 +173,8 @@ MAX_UNGATED_WEIGHT_BYTES = 8 << 20
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether a linear layer should run this product here rather than in the library GEMM."""
+    """Whether a linear layer should run this product here rather than in the library GEMM (for an fp8 weight,
+    rather than torch._scaled_mm)."""
     return x.is_cuda and fits(x, weight) and (gated or weight.numel() * weight.element_size()
                                               <= MAX_UNGATED_WEIGHT_BYTES)
 
@@ -155,17 +185,30 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
+FP8 = torch.float8_e4m3fn
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether skinny_linear takes this product (otherwise the library GEMM should)."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(-1) == 1)
+    """Whether skinny_linear takes this product (otherwise the library GEMM should): 16-bit x with a weight of its
+    dtype or e4m3, or e4m3 x with an e4m3 weight."""
+    dtypes_fit = (x.dtype in SIXTEEN_BIT and weight.dtype in (x.dtype, FP8)) or x.dtype == weight.dtype == FP8
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and dtypes_fit and weight.is_contiguous()
+            and x.stride(-1) == 1)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
-                  config: SkinnyConfig | None = None) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, weight_scale: torch.Tensor | None = None,
+                  x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M <= 16, K] @ weight[N_total, K]^T (+ bias); gated: weight is [gate | up] (2N rows), returns
-    silu(x gate^T) * (x up^T) as [M, N]."""
-    assert fits(x, weight), f"skinny_linear takes <= {MAX_ROWS} 16-bit rows, got {tuple(x.shape)} {x.dtype}"
+    silu(x gate^T) * (x up^T) as [M, N]. An e4m3 weight comes with weight_scale (float32, one per row of weight),
+    an e4m3 x with x_scale (float32, one per row of x) and out_dtype (the 16-bit dtype of the result)."""
+    assert fits(x, weight), (f"skinny_linear takes <= {MAX_ROWS} rows of 16-bit or e4m3 x, got {tuple(x.shape)} "
+                             f"{x.dtype} with a {weight.dtype} weight")
+    assert (weight.dtype == FP8) == (weight_scale is not None), "an e4m3 weight and weight_scale go together"
+    assert (x.dtype == FP8) == (x_scale is not None), "an e4m3 x and x_scale go together"
+    out_dtype = out_dtype or x.dtype
+    assert out_dtype in SIXTEEN_BIT, f"skinny_linear returns bfloat16 or float16, not {out_dtype}"
     m, k = x.shape
     n_total, k_w = weight.shape
     assert k_w == k, f"weight has {k_w} input features, x has {k}"
@@ -175,7 +218,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     split_k = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     column_blocks = triton.cdiv(n, config.block_n)
     if split_k > 1:
         partial = torch.empty((split_k, m, n_total), dtype=torch.float32, device=x.device)
@@ -183,8 +226,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         partial = counters = out  # unused
     _skinny_gemm_kernel[(column_blocks, split_k)](
-        x, weight, bias if bias is not None else out, out, partial, counters, m, n, k, x.stride(0), out.stride(0),
-        k_per_split, HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
+        x, weight, bias if bias is not None else out, out if weight_scale is None else weight_scale.reshape(-1),
+        out if x_scale is None else x_scale.reshape(-1), out, partial, counters, m, n, k, x.stride(0),
+        out.stride(0), k_per_split, HAS_BIAS=bias is not None, GATED=gated, W_SCALED=weight_scale is not None,
+        X_SCALED=x_scale is not None, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED, num_warps=config.num_warps,
         num_stages=config.num_stages, **overlap_options(x.device),
     )

@@ -69,3 +69,24 @@ def test_scaled_mm_matches_the_reference_path() -> None:
     # (1/16 of its size), the whole product by far less on average
     torch.testing.assert_close(out, reference, rtol=2e-2, atol=5e-2)
     assert (out.float() - reference.float()).abs().mean() < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fp8_activations", [True, False])
+def test_decode_sized_batches_take_the_few_row_gemm(fp8_activations: bool, monkeypatch) -> None:
+    from nanovllm.kernels import skinny_gemm
+    layer = _layer(256, 128, True).cuda().to(torch.bfloat16)
+    quantize_linear_layers(layer)
+    method = layer.linear_method
+    monkeypatch.setattr(type(method), "few_row_fp8_activations", fp8_activations)
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    out = layer(x)
+    assert calls == [FP8_DTYPE if fp8_activations else torch.bfloat16]
+    method.scaled_mm = False
+    monkeypatch.setattr(skinny_gemm, "takes", lambda *a, **k: False)
+    reference = layer(x)
+    torch.testing.assert_close(out, reference, rtol=2e-2, atol=5e-2)

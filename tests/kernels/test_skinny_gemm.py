@@ -75,3 +75,37 @@ def test_skinny_linear_at_decode_shapes_on_the_gpu(rows, n, k, gated):
         out = skinny_linear(x, weight, gated=gated)
         torch.testing.assert_close(out, reference(x, weight, gated=gated), rtol=2e-2, atol=2e-2)
     assert takes(x, weight, gated) == (gated or n * k * 2 <= 8 << 20)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("fp8_activations", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_with_an_e4m3_weight(gated, fp8_activations, bias):
+    from nanovllm.layers.quantization.fp8 import quantize_rows
+    torch.manual_seed(3)
+    n, k = 80, 320
+    x = torch.randn(5, k, dtype=torch.bfloat16, device=DEVICE)
+    weight, weight_scale = quantize_rows(torch.randn(2 * n if gated else n, k, device=DEVICE) / k ** 0.5)
+    b = torch.randn(2 * n if gated else n, dtype=torch.bfloat16, device=DEVICE) if bias else None
+    config = SkinnyConfig(block_n=64, block_k=64, split_k=3, num_warps=4, num_stages=2)
+    dequantized = (weight.float() * weight_scale).to(torch.bfloat16)
+    if fp8_activations:
+        x_fp8, x_scale = quantize_rows(x)
+        out = skinny_linear(x_fp8, weight, b, gated=gated, config=config, weight_scale=weight_scale.view(-1),
+                            x_scale=x_scale, out_dtype=torch.bfloat16)
+        x_used = (x_fp8.float() * x_scale).to(torch.bfloat16)
+    else:
+        out = skinny_linear(x, weight, b, gated=gated, config=config, weight_scale=weight_scale.view(-1))
+        x_used = x
+    assert out.shape == (5, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(x_used, dequantized, b, gated=gated), rtol=2e-2, atol=2e-2)
+    # and not the product of the raw e4m3 codes: the scales were applied
+    assert (out.float() - reference(x_used, weight.float().to(torch.bfloat16), b, gated).float()).abs().max() > 0.1
+
+
+def test_fits_takes_e4m3_weights_and_activations():
+    fp8 = torch.float8_e4m3fn
+    weight = torch.zeros(8, 32, dtype=fp8)
+    assert fits(torch.zeros(4, 32, dtype=torch.bfloat16), weight)
+    assert fits(torch.zeros(4, 32, dtype=fp8), weight)
+    assert not fits(torch.zeros(4, 32, dtype=fp8), torch.zeros(8, 32, dtype=torch.bfloat16))

@@ -1,7 +1,9 @@
 """quantization="fp8": a float checkpoint's linear weights become e4m3 at load, with a scale per output channel;
 each call quantizes its activations with a scale per token (dynamic), and multiplies them through
 torch._scaled_mm on CUDA (Hopper's fp8 tensor cores, twice the bf16 rate) or, elsewhere, through the same
-numbers dequantized (the reference the tests run on the CPU).
+numbers dequantized (the reference the tests run on the CPU). On CUDA the activations are quantized by one Triton
+kernel (kernels/fp8.py), and decode-sized batches multiply in the few-row GEMM (kernels/skinny_gemm.py), which
+reads the e4m3 weight and, for SwiGLU's gate_up, applies SiLU-and-mul in the same kernel.
 
     w_fp8[n, k] = round_e4m3(w[n, k] / w_scale[n]),  w_scale[n] = max_k |w[n, k]| / 448
     x_fp8[m, k] = round_e4m3(x[m, k] / x_scale[m]),  x_scale[m] = max_k |x[m, k]| / 448
@@ -38,12 +40,46 @@ class Fp8LinearMethod(LinearMethod):
         self.weight_scale = scale.view(1, -1).contiguous()  # [1, out], as _scaled_mm takes a column scale
         # _scaled_mm takes sizes in multiples of 16; others (none in the models we run) take the reference path
         self.scaled_mm = weight.is_cuda and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.weight_scale_rows = self.weight_scale.view(-1)  # the few-row GEMM's scale per weight row
+
+    # decode-sized batches: True multiplies e4m3 activations (the numbers of _scaled_mm), False the 16-bit ones
+    # against the upcast e4m3 weight (no quantizing kernel)
+    few_row_fp8_activations = True
+
+    def _few_rows(self, rows: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor | None:
+        """The product in the few-row GEMM when it takes these rows (CUDA, decode-sized), else None."""
+        if not rows.is_cuda:
+            return None
+        from nanovllm.kernels import fp8, skinny_gemm
+        if not skinny_gemm.takes(rows, self.weight, gated):
+            return None
+        if not self.few_row_fp8_activations:
+            return skinny_gemm.skinny_linear(rows, self.weight, bias, gated=gated,
+                                             weight_scale=self.weight_scale_rows)
+        x_fp8, x_scale = fp8.quantize_rows_e4m3(rows)
+        return skinny_gemm.skinny_linear(x_fp8, self.weight, bias, gated=gated, weight_scale=self.weight_scale_rows,
+                                         x_scale=x_scale, out_dtype=rows.dtype)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                           act: nn.Module) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and x.dim() == 2:
+            y = self._few_rows(x, bias, gated=True)
+            if y is not None:
+                return y
+        return act(self.apply(layer, x, bias))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):  # rows with their scale apart (platforms/cpu/row_scale.RowScaled)
             x = x.materialize()
         rows = x.reshape(-1, self.in_features)
-        x_fp8, x_scale = quantize_rows(rows)
+        y = self._few_rows(rows, bias, gated=False) if rows.stride(-1) == 1 else None
+        if y is not None:
+            return y.view(*x.shape[:-1], self.out_features)
+        if x.is_cuda and rows.stride(-1) == 1:
+            from nanovllm.kernels.fp8 import quantize_rows_e4m3
+            x_fp8, x_scale = quantize_rows_e4m3(rows)
+        else:
+            x_fp8, x_scale = quantize_rows(rows)
         if self.scaled_mm:
             # weight.t(): [in, out] column-major, the layout _scaled_mm wants for its second operand
             y = torch._scaled_mm(x_fp8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
