@@ -34,6 +34,8 @@ from nanovllm.kernels.jit import (
 )
 
 MAX_ROWS = 16  # tl.dot's smallest M; more rows go to the library GEMM
+FP8 = torch.float8_e4m3fn
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -117,10 +119,10 @@ def _as_operand(w, x, UPCAST: tl.constexpr):
     """A loaded weight tile as tl.dot's right operand beside x: float32 under the interpreter, x's dtype when the
     weight is e4m3 and x is not (e4m3 with e4m3 multiplies as it is)."""
     if UPCAST:
-        return w.to(tl.float32)
-    if w.dtype != x.dtype:
-        return w.to(x.dtype)
-    return w
+        w = w.to(tl.float32)
+    elif w.dtype != x.dtype:
+        w = w.to(x.dtype)
+    return w  # one return: the compiler types a helper by its single result
 
 
 @triton.jit
@@ -157,10 +159,11 @@ class SkinnyConfig:
     num_stages: int = 3
 
 
-def default_config(n: int, k: int, device: torch.device, gated: bool = False) -> SkinnyConfig:
+def default_config(n: int, k: int, device: torch.device, gated: bool = False, weight_bytes: int = 2) -> SkinnyConfig:
     """Column blocks of 32, and K splits for about two programs per SM (one when gated: each reads two rows of
-    W a column), each split >= one K tile (see docs/benchmarks.md for the sweep these come from)."""
-    block_n, block_k = 32, 256 if gated else 128
+    W a column), each split >= one K tile (see docs/benchmarks.md for the sweep these come from). A weight of
+    weight_bytes per element takes tiles of as many bytes as a 16-bit one's: an e4m3 tile is twice as long."""
+    block_n, block_k = 32, (256 if gated else 128) * 2 // weight_bytes
     column_blocks = triton.cdiv(n, block_n)
     per_sm = 1 if gated else 2
     split_k = max(1, min(round(per_sm * num_sms(device) / column_blocks), k // block_k, 16))
@@ -173,9 +176,9 @@ MAX_UNGATED_WEIGHT_BYTES = 8 << 20
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether a linear layer should run this product here rather than in the library GEMM (for an fp8 weight,
-    rather than torch._scaled_mm)."""
-    return x.is_cuda and fits(x, weight) and (gated or weight.numel() * weight.element_size()
+    """Whether a linear layer should run this product here rather than in the library GEMM. An e4m3 weight's
+    alternative, quantized activations through torch._scaled_mm, is slower at every size at these rows."""
+    return x.is_cuda and fits(x, weight) and (gated or weight.dtype == FP8 or weight.numel() * weight.element_size()
                                               <= MAX_UNGATED_WEIGHT_BYTES)
 
 
@@ -183,10 +186,6 @@ def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
 def _counters(device: torch.device, size: int) -> torch.Tensor:
     """Per column block ticket counters: zeros, and every call leaves them zero."""
     return torch.zeros(size, dtype=torch.int32, device=device)
-
-
-FP8 = torch.float8_e4m3fn
-SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -214,7 +213,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert k_w == k, f"weight has {k_w} input features, x has {k}"
     n = n_total // 2 if gated else n_total
     assert not gated or n_total % 2 == 0, f"a gated weight has an even number of rows, got {n_total}"
-    config = config or default_config(n, k, x.device, gated)
+    config = config or default_config(n, k, x.device, gated, weight.element_size())
     split_k = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
