@@ -96,7 +96,9 @@ def _skinny_gemm_kernel(
         tl.store(here, acc, mask=mask)
         if GATED:
             tl.store(here + N, acc_up, mask=mask)
-        # acq_rel: the partial stored above is visible to the last program, which sees every other one's
+        # One thread takes the ticket: the barrier puts every thread's partial stores before its release (acq_rel),
+        # so the program drawing the last ticket sees every split's partial.
+        tl.debug_barrier()
         ticket = tl.atomic_add(counter_ptr + pid_n, 1)
         if ticket == SPLIT_K - 1:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
