@@ -3,7 +3,6 @@
     python benchmarks/decode_attention.py --out results/decode_attention.json          # GPU
     python benchmarks/decode_attention.py --sweep --out results/decode_sweep.json     # + splits/configs
     python benchmarks/decode_attention.py --smoke --out /tmp/smoke.json                # CPU interpreter
-    python benchmarks/decode_attention.py --batch 1 --plan-len 40960 --unfused-reduce --out r.json  # both reductions
 
 Bytes moved per call = K and V of every request's seq_len keys + q read + out written; bandwidth =
 bytes / time (median of triton.testing.do_bench, which flushes L2 before each run). The KV pool is
@@ -49,8 +48,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="fp8: the cache is e4m3 (scales 0.05 / 0.02), read by the kernel into --dtype")
     parser.add_argument("--sweep", action="store_true", help="also try other split counts and tile configs")
-    parser.add_argument("--unfused-reduce", action="store_true",
-                        help="also time each split plan with the splits combined by a second kernel")
     parser.add_argument("--smoke", action="store_true",
                         help="no GPU: tiny shapes under the Triton CPU interpreter, to check the script runs")
     return parser.parse_args()
@@ -127,36 +124,32 @@ def main() -> int:
             plans += [("config", None, DecodeConfig(*c)) for c in SWEEP_CONFIGS]
         for label, num_splits, config in plans:
             splits, _ = plan_splits(batch, kv_heads, plan_len, config.block_n, q.device, num_splits)
-            # one split has no reduction; --unfused-reduce adds the two-kernel one next to the fused one
-            reductions = ["none"] if splits == 1 else ["fused", "separate"] if args.unfused_reduce else ["fused"]
-            for reduce in reductions:
-                run = functools.partial(decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                        plan_len, out=out, num_splits=num_splits, config=config, k_scale=k_scale,
-                                        v_scale=v_scale, fused_reduce=reduce != "separate")
-                try:
-                    ms = time_ms(run)
-                except Exception as exc:  # e.g. a sweep config out of shared memory: report it, keep going
-                    print(f"block_size {block_size} {label} {config}: failed: {exc}", file=sys.stderr)
-                    continue
-                tbps = bytes_moved / (ms * 1e-3) / 1e12
-                results.append(dict(block_size=block_size, plan=label, bytes=bytes_moved, num_splits=splits,
-                                    reduce=reduce, block_n=config.block_n, num_warps=config.num_warps,
-                                    num_stages=config.num_stages, time_us=ms * 1e3, tbps=tbps,
-                                    fraction_of_peak=tbps / PEAK_TBPS, max_abs_err=max_err))
+
+            run = functools.partial(decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale, plan_len,
+                                    out=out, num_splits=num_splits, config=config, k_scale=k_scale,
+                                    v_scale=v_scale)
+            try:
+                ms = time_ms(run)
+            except Exception as exc:  # e.g. a sweep config out of shared memory: report it, keep going
+                print(f"block_size {block_size} {label} {config}: failed: {exc}", file=sys.stderr)
+                continue
+            tbps = bytes_moved / (ms * 1e-3) / 1e12
+            results.append(dict(block_size=block_size, plan=label, bytes=bytes_moved, num_splits=splits, block_n=config.block_n,
+                                num_warps=config.num_warps, num_stages=config.num_stages, time_us=ms * 1e3,
+                                tbps=tbps, fraction_of_peak=tbps / PEAK_TBPS, max_abs_err=max_err))
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)"
     lengths = f"context {context}" if args.min_context is None else f"contexts {args.min_context}-{context}"
     print(f"decode attention on {name}: batch {batch}, {lengths} (split plan for {plan_len}), heads "
           f"{heads}/{kv_heads}, head_dim {head_dim}, {args.dtype}, KV cache {args.kv_cache_dtype}, {bytes_moved / 1e6:.1f} MB per call "
           f"(last block size); peak {PEAK_TBPS} TB/s")
-    print(f"{'block':>5} {'plan':>8} {'splits':>6} {'reduce':>8} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} "
+    print(f"{'block':>5} {'plan':>8} {'splits':>6} {'BLOCK_N':>7} {'warps':>5} {'stages':>6} "
           f"{'time us':>9} {'TB/s':>6} {'of peak':>7} {'max err':>8}")
     for r in results:
-        print(f"{r['block_size']:>5} {r['plan']:>8} {r['num_splits']:>6} {r['reduce']:>8} {r['block_n']:>7} "
-              f"{r['num_warps']:>5} "
+        print(f"{r['block_size']:>5} {r['plan']:>8} {r['num_splits']:>6} {r['block_n']:>7} {r['num_warps']:>5} "
               f"{r['num_stages']:>6} {r['time_us']:>9.1f} {r['tbps']:>6.2f} {r['fraction_of_peak']:>7.1%} "
               f"{r['max_abs_err']:>8.1e}")
-    defaults = [r for r in results if r["plan"] == "default" and r["reduce"] != "separate"]
+    defaults = [r for r in results if r["plan"] == "default"]
     passed = bool(defaults) and all(r["fraction_of_peak"] >= TARGET_FRACTION for r in defaults)
     if device == "cuda":
         print(f"target {TARGET_FRACTION:.0%} of peak with the default plan: {'met' if passed else 'NOT met'}")

@@ -1,14 +1,11 @@
 """Split-K ("flash-decoding") attention of one query token per request over the paged KV cache.
 
-One kernel, one program per (request, kv head, split): it walks its split's range of the request's keys in tiles
-of BLOCK_N tokens, looking up each token's block in the block table, and computes every query head of the GQA
-group against each tile it loads (the group is one [BLOCK_GROUP, head_dim] tile, padded to 16 rows so it can feed
-``tl.dot``), so each K/V byte is read once. With a single split the program writes the output itself. With more,
-each leaves a partial (running max, running sum, unnormalised output) per split, then takes a ticket from its
-(request, kv head) counter: the program that draws the last ticket rescales and sums every split's partials in
-split order (so the result does not depend on which split finished first), writes the group's output and resets
-the counter for the next call. The counters live as long as the process (zeros, left zero by every call), so
-CUDA graphs replay the kernel as they captured it. ``fused_reduce=False`` combines in a second kernel instead.
+Two kernels. The split kernel runs one program per (request, kv head, split): it walks its split's
+range of the request's keys in tiles of BLOCK_N tokens, looking up each token's block in the block
+table, and computes every query head of the GQA group against each tile it loads (the group is one
+[BLOCK_GROUP, head_dim] tile, padded to 16 rows so it can feed ``tl.dot``), so each K/V byte is read
+once. It leaves a partial (running max, running sum, unnormalised output) per split; the reduce
+kernel rescales and sums the splits. With a single split the split kernel writes the output itself.
 
 Splits of one request::
 
@@ -21,7 +18,6 @@ Splits of one request::
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -41,7 +37,7 @@ LOG2E = math.log2(math.e)
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # Programs per SM that choose_num_splits aims for. 8 beat 16 on the H200 (W1 +2.6 %, W2 +3.3 %): at 256
-# requests x 8 KV heads it takes one split, which skips the partials and their reduction.
+# requests x 8 KV heads it takes one split, which skips the reduce kernel.
 PROGRAMS_PER_SM = 8
 
 
@@ -55,7 +51,6 @@ def _decode_split_kernel(
     partial_max_ptr,            # [num_seqs, num_heads, num_splits] fp32 (log2 domain)
     partial_sum_ptr,            # [num_seqs, num_heads, num_splits] fp32
     partial_acc_ptr,            # [num_seqs, num_heads, num_splits, head_dim] fp32, unnormalised
-    counter_ptr,                # [>= num_seqs * num_kv_heads] int32 zeros; used only when FUSED_REDUCE
     scale_log2,                 # softmax scale * log2(e) (* k_scale for an fp8 cache): scores go through exp2
     v_scale,                    # an fp8 cache's V scale, applied to the output; read only when KV_FP8
     min_tokens_per_split,       # a multiple of BLOCK_N
@@ -71,8 +66,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,   # tokens per cache block
     BLOCK_N: tl.constexpr,      # keys per tile; a tile may span blocks or be part of one
     WRITE_OUT: tl.constexpr,    # num_splits == 1: normalise and write out, skip the partials
-    FUSED_REDUCE: tl.constexpr,  # num_splits > 1: the split that finishes last combines the partials
-    BLOCK_SPLITS: tl.constexpr,  # next power of two >= num_splits
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,       # the cache is e4m3: tiles are upcast to COMPUTE as they load
     COMPUTE: tl.constexpr,      # the dtype of the products: q's, or float16 over an fp8 cache of 16-bit q
@@ -137,42 +130,6 @@ def _decode_split_kernel(
         tl.store(partial_max_ptr + rows, m_i, mask=group_mask)
         tl.store(partial_sum_ptr + rows, l_i, mask=group_mask)
         tl.store(partial_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=group_mask[:, None])
-        if FUSED_REDUCE:
-            counter = counter_ptr + seq * (NUM_HEADS // GROUP) + kv_head
-            # The ticket is taken by one thread: the barrier puts every thread's partial stores before its release
-            # (acq_rel), so the program drawing the last ticket sees all splits' partials.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(counter, 1)
-            if ticket == num_splits - 1:
-                for g in range(GROUP):  # real heads only: the padding rows of the group are never stored
-                    head = kv_head * GROUP + g
-                    out = _combine_splits(partial_max_ptr, partial_sum_ptr, partial_acc_ptr,
-                                          (seq.to(tl.int64) * NUM_HEADS + head) * num_splits, num_splits,
-                                          HEAD_DIM, BLOCK_SPLITS)
-                    tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + dims,
-                             out.to(out_ptr.dtype.element_ty))
-                tl.store(counter, 0)
-
-
-@triton.jit
-def _combine_splits(partial_max_ptr, partial_sum_ptr, partial_acc_ptr, first_row, num_splits,
-                    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
-    """One head's output from its splits' partials (rows first_row .. first_row + num_splits - 1). The loads
-    skip L1 (.cg): the partials were just written by other programs, possibly on other SMs."""
-    splits = tl.arange(0, BLOCK_SPLITS)
-    split_mask = splits < num_splits
-    dims = tl.arange(0, HEAD_DIM)
-    rows = first_row + splits
-    maxes = tl.load(partial_max_ptr + rows, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
-    sums = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0, cache_modifier=".cg")
-    acc = tl.load(partial_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=split_mask[:, None], other=0.0,
-                  cache_modifier=".cg")  # [BLOCK_SPLITS, HEAD_DIM]
-    m_max = tl.max(maxes, 0)
-    # All splits empty (padding request with seq_len 0): avoid -inf - -inf = NaN, output zeros.
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weights = tl.exp2(maxes - m_max)  # empty splits: exp2(-inf) = 0
-    total = tl.sum(sums * weights, 0)
-    return tl.sum(acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
 
 
 @jit_unspecialized("num_splits")
@@ -188,23 +145,24 @@ def _decode_reduce_kernel(
     BLOCK_SPLITS: tl.constexpr,  # next power of two >= num_splits
     OVERLAP: tl.constexpr,
 ):
-    """The reduction as a kernel of its own (fused_reduce=False): one program per (request, query head)."""
     wait_for_prior_kernel(OVERLAP)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    out = _combine_splits(partial_max_ptr, partial_sum_ptr, partial_acc_ptr,
-                          (seq.to(tl.int64) * NUM_HEADS + head) * num_splits, num_splits, HEAD_DIM, BLOCK_SPLITS)
-    tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + tl.arange(0, HEAD_DIM),
-             out.to(out_ptr.dtype.element_ty))
-
-
-@functools.cache
-def _ticket_counters(device: torch.device, size: int) -> torch.Tensor:
-    """Per (request, kv head) ticket counters: zeros, and every call leaves them zero. Allocated on first use at a
-    size, which must not be inside a CUDA graph capture (the engine runs each batch size once before capturing)."""
-    assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-        "decode_attention's ticket counters are first allocated during a CUDA graph capture: run it once before"
-    return torch.zeros(size, dtype=torch.int32, device=device)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    rows = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + splits
+    maxes = tl.load(partial_max_ptr + rows, mask=split_mask, other=float("-inf"))  # [BLOCK_SPLITS]
+    sums = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0)
+    acc = tl.load(partial_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_mask[:, None], other=0.0)  # [BLOCK_SPLITS, HEAD_DIM]
+    m_max = tl.max(maxes, 0)
+    # All splits empty (padding request with seq_len 0): avoid -inf - -inf = NaN, output zeros.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weights = tl.exp2(maxes - m_max)  # empty splits: exp2(-inf) = 0
+    total = tl.sum(sums * weights, 0)
+    out = tl.sum(acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def _compute_dtype(q_dtype: torch.dtype, kv_fp8: bool):
@@ -264,7 +222,7 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int, *, out: torch.Tensor | None = None,
                      num_splits: int | None = None, config: DecodeConfig | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, fused_reduce: bool = True) -> torch.Tensor:
+                     v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one query token per request over its first seq_lens[i] cached keys.
 
     q: [num_seqs, num_heads, head_dim] (any seq/head strides, unit stride on head_dim)
@@ -276,13 +234,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     divides its own keys among them, so every key is read whatever max_seq_len says.
     out: optional [num_seqs, num_heads, head_dim] destination (may be a view into a larger tensor).
     Returns out (softmax in fp32, stored in q's dtype). A request with seq_len 0 gets zeros.
-    fused_reduce: the last split of each (request, kv head) combines the splits; False launches a second kernel
-    for that (the same arithmetic, so the same output), to compare the two.
 
     CUDA graphs: no host sync, and the grid and the scratch sizes depend only on shapes and python
     ints (num_seqs, heads, max_seq_len, num_splits); to replay one graph over many steps, capture it
-    with max_seq_len set to the largest length the graph will serve (e.g. max_model_len). Run it once at a
-    batch size before capturing it there, so the ticket counters exist outside the capture.
+    with max_seq_len set to the largest length the graph will serve (e.g. max_model_len).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -315,7 +270,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                                            config.block_n) * config.block_n
 
     group = num_heads // num_kv_heads
-    fused_reduce = fused_reduce and num_splits > 1
     if num_splits == 1:
         partial_max = partial_sum = partial_acc = out  # unused by the WRITE_OUT variant
     else:
@@ -323,25 +277,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial_sum = torch.empty_like(partial_max)
         partial_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
                                   device=q.device)
-    # power-of-two sizes: few buffers, each the same tensor at every capture and replay of its batch sizes
-    counters = _ticket_counters(q.device, triton.next_power_of_2(num_seqs * num_kv_heads)) if fused_reduce else out
-    block_splits = triton.next_power_of_2(num_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_acc, counters,
+        q, k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_acc,
         scale * LOG2E * k_scale, v_scale, min_tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, WRITE_OUT=num_splits == 1,
-        FUSED_REDUCE=fused_reduce, BLOCK_SPLITS=block_splits if fused_reduce else 1,  # no variant it won't use
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         COMPUTE=_compute_dtype(q.dtype, kv_fp8), num_warps=config.num_warps, num_stages=config.num_stages,
         **overlap_options(q.device),
     )
-    if num_splits > 1 and not fused_reduce:
+    if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial_max, partial_sum, partial_acc, out, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SPLITS=block_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             num_warps=4, **overlap_options(q.device),
         )
     return out

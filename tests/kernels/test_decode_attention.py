@@ -1,5 +1,4 @@
-"""decode_attention (split-K) against decode_attention_ref: GQA groups, block sizes, splits, padding, and the
-ticket counters of the fused split reduction."""
+"""decode_attention (split-K) against decode_attention_ref: GQA groups, block sizes, splits, padding."""
 
 from __future__ import annotations
 
@@ -8,14 +7,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from nanovllm.attention.kv_fp8 import FP8_DTYPE, to_cache  # noqa: E402
 from nanovllm.attention.reference import decode_attention_ref  # noqa: E402
-from nanovllm.kernels.decode_attention import (  # noqa: E402
-    _ticket_counters,
-    choose_num_splits,
-    decode_attention,
-    plan_splits,
-)
+from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention, plan_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -83,76 +76,18 @@ def test_strided_q_and_out_view(paged_batch, tolerances) -> None:
     assert not buffer[0].any() and not buffer[3:].any()
 
 
-@pytest.mark.parametrize("fused_reduce", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_padding_request_with_no_keys_gives_zeros(paged_batch, tolerances, num_splits, fused_reduce) -> None:
+def test_padding_request_with_no_keys_gives_zeros(paged_batch, tolerances, num_splits) -> None:
     """A CUDA graph pads the batch with seq_len-0 requests: they must give finite zeros, not NaN."""
     batch = paged_batch([1, 1], [30, 0], num_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
                         dtype=torch.float32)
     batch.seq_lens[1] = 0
     out = decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.1, 512,
-                           num_splits=num_splits, fused_reduce=fused_reduce)
+                           num_splits=num_splits)
     ref = decode_attention_ref(batch.q[:1], batch.k_cache, batch.v_cache, batch.block_tables[:1],
                                batch.seq_lens[:1], 0.1)
     torch.testing.assert_close(out[:1], ref, **tolerances[torch.float32])
     assert torch.equal(out[1], torch.zeros_like(out[1]))
-
-
-def _decode_into_nan(batch, scale: float, max_seq_len: int, **kwargs) -> torch.Tensor:
-    """decode_attention into an output buffer of NaN, so a head the kernel leaves unwritten shows."""
-    out = torch.full_like(batch.q, float("nan"))
-    return decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale,
-                            max_seq_len, out=out, **kwargs)
-
-
-def test_a_second_call_finds_the_counters_back_at_zero(paged_batch, tolerances) -> None:
-    """The last split resets its counter: otherwise the next call's tickets never reach the last one and no
-    program writes the output."""
-    batch = paged_batch([1] * 3, [40, 299, 0], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                        dtype=torch.float32)
-    batch.seq_lens[2] = 0
-    first = _decode_into_nan(batch, 0.2, batch.max_seq_len, num_splits=4)
-    assert not _ticket_counters(batch.q.device, 8).any()  # 3 requests x 2 kv heads, rounded up
-    second = _decode_into_nan(batch, 0.2, batch.max_seq_len, num_splits=4)
-    assert torch.equal(first, second)
-    ref = decode_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.2)
-    torch.testing.assert_close(first[:2], ref[:2], **tolerances[torch.float32])
-    assert torch.equal(first[2], torch.zeros_like(first[2]))
-
-
-@pytest.mark.parametrize("num_splits", [6, 8, 64])
-def test_many_splits_over_short_requests(paged_batch, tolerances, num_splits) -> None:
-    """A bound far above the requests' lengths keeps every asked split; each request fills its first few
-    splits with one 32-key tile each and leaves the rest empty (the 0-key request all of them)."""
-    lens = [1, 33, 100, 0]
-    batch = paged_batch([1] * 4, [max(n - 1, 0) for n in lens], num_heads=8, num_kv_heads=2, head_dim=64,
-                        block_size=16, dtype=torch.float32)
-    batch.seq_lens[3] = 0
-    bound = 64 * 32
-    assert plan_splits(4, 2, bound, 32, batch.q.device, num_splits)[0] == num_splits
-    out = _decode_into_nan(batch, 0.3, bound, num_splits=num_splits)
-    ref = decode_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.3)
-    torch.testing.assert_close(out[:3], ref[:3], **tolerances[torch.float32])
-    assert torch.equal(out[3], torch.zeros_like(out[3]))
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(7, 1), (16, 2)])
-def test_fused_and_separate_reduction_agree(paged_batch, num_heads, num_kv_heads, fp8) -> None:
-    """The fused reduction does the second kernel's arithmetic in the same order: the same bits, v_scale too."""
-    lens = [300, 1, 0, 77]
-    batch = paged_batch([1] * 4, [max(n - 1, 0) for n in lens], num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        head_dim=64, block_size=16, dtype=torch.float32)
-    batch.seq_lens[2] = 0
-    scales = {}
-    if fp8:
-        batch.k_cache, batch.v_cache = to_cache(batch.k_cache, FP8_DTYPE, 0.05), to_cache(batch.v_cache,
-                                                                                            FP8_DTYPE, 0.02)
-        scales = dict(k_scale=0.05, v_scale=0.02)
-    fused = _decode_into_nan(batch, 0.125, 1024, num_splits=5, **scales)
-    separate = _decode_into_nan(batch, 0.125, 1024, num_splits=5, fused_reduce=False, **scales)
-    assert not fused.isnan().any()
-    assert torch.equal(fused, separate)
 
 
 def test_choose_num_splits() -> None:
@@ -247,20 +182,3 @@ def test_gpu_cuda_graph_replay(paged_batch, tolerances) -> None:
         ref = decode_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
                                    scale)
         torch.testing.assert_close(out, ref, **tolerances[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_gpu_fused_reduce_is_deterministic(paged_batch, tolerances, batch_size) -> None:
-    """Few requests under a max_model_len bound: many splits a (request, kv head), finishing in any order. The
-    last one combines them in split order, so every run gives the same bits, and the two-kernel reduction's."""
-    lens = _random_lens(batch_size, 1, 6000, seed=batch_size)
-    batch = paged_batch([1] * batch_size, [n - 1 for n in lens], block_size=16, dtype=torch.bfloat16, **QWEN3_06B)
-    scale, bound = 128**-0.5, 40960
-    first = _decode_into_nan(batch, scale, bound)
-    torch.testing.assert_close(first, decode_attention_ref(batch.q, batch.k_cache, batch.v_cache,
-                                                           batch.block_tables, batch.seq_lens, scale),
-                               **tolerances[torch.bfloat16])
-    assert torch.equal(first, _decode_into_nan(batch, scale, bound, fused_reduce=False))
-    for _ in range(50):
-        assert torch.equal(first, _decode_into_nan(batch, scale, bound))
