@@ -2,8 +2,9 @@
 each call quantizes its activations with a scale per token (dynamic), and multiplies them through
 torch._scaled_mm on CUDA (Hopper's fp8 tensor cores, twice the bf16 rate) or, elsewhere, through the same
 numbers dequantized (the reference the tests run on the CPU). On CUDA the activations are quantized by one Triton
-kernel (kernels/fp8.py), and decode-sized batches multiply in the few-row GEMM (kernels/skinny_gemm.py), which
-reads the e4m3 weight and, for SwiGLU's gate_up, applies SiLU-and-mul in the same kernel.
+kernel (kernels/fp8.py); decode-sized batches (up to 16 rows) multiply their 16-bit activations, unquantized, in the
+few-row GEMM (kernels/skinny_gemm.py), which upcasts the e4m3 weight as it reads it and, for SwiGLU's gate_up,
+applies SiLU-and-mul in the same kernel.
 
     w_fp8[n, k] = round_e4m3(w[n, k] / w_scale[n]),  w_scale[n] = max_k |w[n, k]| / 448
     x_fp8[m, k] = round_e4m3(x[m, k] / x_scale[m]),  x_scale[m] = max_k |x[m, k]| / 448
@@ -42,9 +43,10 @@ class Fp8LinearMethod(LinearMethod):
         self.scaled_mm = weight.is_cuda and self.in_features % 16 == 0 and self.out_features % 16 == 0
         self.weight_scale_rows = self.weight_scale.view(-1)  # the few-row GEMM's scale per weight row
 
-    # decode-sized batches: True multiplies e4m3 activations (the numbers of _scaled_mm), False the 16-bit ones
-    # against the upcast e4m3 weight (no quantizing kernel)
-    few_row_fp8_activations = True
+    # decode-sized batches: False multiplies the 16-bit activations as they are by the upcast e4m3 weight (no
+    # quantizing kernel, and the more exact), True e4m3 activations (the numbers of _scaled_mm); the H200's
+    # figures for both are in docs/benchmarks.md
+    few_row_fp8_activations = False
 
     def _few_rows(self, rows: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor | None:
         """The product in the few-row GEMM when it takes these rows (CUDA, decode-sized), else None."""
