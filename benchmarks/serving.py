@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (mean with a range ratio)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens (mean with a range ratio)")
+    parser.add_argument("--warmup-requests", type=int, default=8,
+                        help="the first N prompts, sent together and not counted, before the timed run (and, with "
+                             "--offline, before the offline call: both sides warm up alike)")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="lengths uniform in [len*(1-r), len*(1+r)]; 0 means fixed lengths")
     parser.add_argument("--random-token-range", type=int, nargs=2, default=[100, 10000], metavar=("LOW", "HIGH"),
@@ -125,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--random-range-ratio must be in [0, 1)")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         parser.error("--num-prompts, --input-len and --output-len must be positive")
+    if args.warmup_requests < 0:
+        parser.error(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     if not 0 <= args.random_token_range[0] < args.random_token_range[1]:
         parser.error("--random-token-range needs 0 <= LOW < HIGH")
     return args
@@ -404,7 +409,7 @@ class LaunchedServer:
 
 def run_offline(args, prompts: list[tuple[object, int, int]]) -> dict:
     """The same requests (token-id prompts, output lengths) through ``LLM.generate`` with the server's engine flags,
-    after one warm-up call: output tok/s of the whole call, as benchmarks/throughput.py counts it."""
+    after the same warm-up as the server's (--warmup-requests): output tok/s of the whole call, as benchmarks/throughput.py counts it."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine_args import engine_kwargs
@@ -420,7 +425,8 @@ def run_offline(args, prompts: list[tuple[object, int, int]]) -> dict:
     try:
         ids = [p if isinstance(p, list) else llm.tokenize_prompt(p)[1] for p, _, _ in prompts]
         params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for _, _, m in prompts]
-        llm.generate(ids[:8], params[:8], use_tqdm=False)  # warm-up
+        if args.warmup_requests:  # the same warm-up as the server had
+            llm.generate(ids[:args.warmup_requests], params[:args.warmup_requests], use_tqdm=False)
         start = time.perf_counter()
         outputs = llm.generate(ids, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -449,6 +455,11 @@ async def run(args) -> dict:
         probe = await send(streamer, path, body, prompts[0][1])
         if not probe.ok:
             raise RuntimeError(f"the test request failed: {probe.error}")
+        # then a warm-up, as the offline engine gets: a server's first batch pays for what it does once
+        warmup = await asyncio.gather(*(send(streamer, *payload(args, model, prompt, output_len), prompt_len)
+                                        for prompt, prompt_len, output_len in prompts[:args.warmup_requests]))
+        if not all(r.ok for r in warmup):
+            raise RuntimeError(f"a warm-up request failed: {next(r.error for r in warmup if not r.ok)}")
 
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
