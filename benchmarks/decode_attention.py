@@ -12,7 +12,6 @@ scattered: each request's blocks are a random permutation of the pool, as after 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -120,14 +119,9 @@ def main() -> int:
                                     v_scale=v_scale).float() - ref.float()).abs().max().item()
 
         plans: list[tuple[str, int | None, DecodeConfig]] = [("default", None, default_config)]
-        if args.kv_cache_dtype == "fp8":  # the other upcast of fp8 tiles beside the default one
-            other = "bits" if default_config.fp8_upcast == "convert" else "convert"
-            plans.append((other, None, dataclasses.replace(default_config, fp8_upcast=other)))
         if args.sweep:
             plans += [("splits", s, default_config) for s in SWEEP_SPLITS]
             plans += [("config", None, DecodeConfig(*c)) for c in SWEEP_CONFIGS]
-            if args.kv_cache_dtype == "fp8":
-                plans += [("bits", None, DecodeConfig(*c, fp8_upcast="bits")) for c in SWEEP_CONFIGS]
         for label, num_splits, config in plans:
             splits, _ = plan_splits(batch, kv_heads, plan_len, config.block_n, q.device, num_splits)
 

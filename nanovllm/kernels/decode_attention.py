@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import E4M3_BITS_FACTOR, e4m3_to_f16_over_256
 from nanovllm.kernels.jit import (
     jit_unspecialized,
     num_sms,
@@ -70,7 +69,6 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,       # the cache is e4m3: tiles are upcast to COMPUTE as they load
     COMPUTE: tl.constexpr,      # the dtype of the products: q's, or float16 over an fp8 cache of 16-bit q
-    FP8_BITS: tl.constexpr,     # fp8 tiles become float16 by moving their bits (values / 256: the scales * 256)
     OVERLAP: tl.constexpr,      # launched overlapped with the kernel before (kernels/jit.py)
 ):
     wait_for_prior_kernel(OVERLAP)
@@ -108,8 +106,7 @@ def _decode_split_kernel(
                          + kv_head * HEAD_DIM)
         # k: [HEAD_DIM, BLOCK_N], loaded transposed for q @ k
         k = tl.load(k_cache_ptr + token_offsets[None, :] + dims[:, None], mask=token_mask[None, :], other=0.0)
-        k = e4m3_to_f16_over_256(k) if FP8_BITS else k.to(COMPUTE)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_GROUP, BLOCK_N]
+        scores = tl.dot(q, k.to(COMPUTE), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_GROUP, BLOCK_N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one key, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -118,8 +115,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         # v: [BLOCK_N, HEAD_DIM]
         v = tl.load(v_cache_ptr + token_offsets[:, None] + dims[None, :], mask=token_mask[:, None], other=0.0)
-        v = e4m3_to_f16_over_256(v) if FP8_BITS else v.to(COMPUTE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=DOT_PRECISION)
         m_i = m_new
 
     if KV_FP8:
@@ -185,9 +181,6 @@ class DecodeConfig:
     block_n: int      # keys per tile
     num_warps: int
     num_stages: int
-    # an fp8 cache over 16-bit queries: "convert" upcasts its tiles with the hardware's conversion, "bits" by
-    # moving each value's bits into a float16 (a power of two apart, folded into the scales)
-    fp8_upcast: str = "convert"
 
 
 def default_decode_config(head_dim: int, cache_dtype: torch.dtype) -> DecodeConfig:
@@ -277,10 +270,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                                            config.block_n) * config.block_n
 
     group = num_heads // num_kv_heads
-    compute = _compute_dtype(q.dtype, kv_fp8)
-    assert config.fp8_upcast in ("convert", "bits"), f"unknown fp8_upcast {config.fp8_upcast!r}"
-    fp8_bits = kv_fp8 and compute == tl.float16 and config.fp8_upcast == "bits"
-    bits_factor = E4M3_BITS_FACTOR if fp8_bits else 1.0
     if num_splits == 1:
         partial_max = partial_sum = partial_acc = out  # unused by the WRITE_OUT variant
     else:
@@ -290,13 +279,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                   device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, partial_max, partial_sum, partial_acc,
-        scale * LOG2E * k_scale * bits_factor, v_scale * bits_factor, min_tokens_per_split, num_splits,
+        scale * LOG2E * k_scale, v_scale, min_tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, WRITE_OUT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        COMPUTE=compute, FP8_BITS=fp8_bits, num_warps=config.num_warps, num_stages=config.num_stages,
+        COMPUTE=_compute_dtype(q.dtype, kv_fp8), num_warps=config.num_warps, num_stages=config.num_stages,
         **overlap_options(q.device),
     )
     if num_splits > 1:

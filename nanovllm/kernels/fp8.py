@@ -29,20 +29,6 @@ def to_e4m3(x, inv_scale):
     return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
-# e4m3_to_f16_over_256 gives each value divided by this (float16's exponent bias 15, e4m3's 7)
-E4M3_BITS_FACTOR = 256.0
-
-
-@triton.jit
-def e4m3_to_f16_over_256(x):
-    """e4m3 values -> float16 holding each / 256, by moving bits: the sign to bit 15, exponent and mantissa up by
-    7 places. Exact for every finite e4m3 value, subnormals too (they land on float16's normal or subnormal
-    values a power of two apart); integer ops instead of the conversion instruction."""
-    bits = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-    bits = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
-    return bits.to(tl.float16, bitcast=True)
-
-
 # the scale a row of zeros gets (its reciprocal would be infinite); layers/quantization/fp8.py uses the same
 MIN_ROW_SCALE = tl.constexpr(1e-12)
 

@@ -115,27 +115,3 @@ def test_scales_on_a_16_bit_cache_are_refused(paged_batch) -> None:
     with pytest.raises(AssertionError, match="scales"):
         decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125, 10,
                          k_scale=0.5)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_tiles_upcast_by_their_bits_give_the_conversions_output(paged_batch, dtype) -> None:
-    """fp8_upcast="bits" (e4m3 -> float16 / 256 by moving bits, the 256 folded into the scales) against the
-    conversion: every value, saturated and subnormal ones included, the same number a power of two apart."""
-    from dataclasses import replace
-
-    seq_lens = [1, 40, 300]
-    batch = _fp8_batch(paged_batch, [1] * 3, [n - 1 for n in seq_lens], dtype, num_heads=8, num_kv_heads=2,
-                       head_dim=64, block_size=16)
-    batch.v_cache[:, :, :, :4] = torch.tensor([2 ** -9, -(2 ** -9), 448.0, -0.0]).to(FP8_DTYPE)  # edge values
-    config = default_decode_config(64, FP8_DTYPE)
-    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125, batch.max_seq_len)
-    converted = decode_attention(*args, config=config, k_scale=K_SCALE, v_scale=V_SCALE, num_splits=2)
-    moved = decode_attention(*args, config=replace(config, fp8_upcast="bits"), k_scale=K_SCALE, v_scale=V_SCALE,
-                             num_splits=2)
-    ref = decode_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125,
-                               K_SCALE, V_SCALE)
-    torch.testing.assert_close(moved, ref, **FP8_READ_TOLERANCE[torch.bfloat16])
-    if DEVICE == "cuda":  # the same float32 sums of the same products: the same bits
-        assert torch.equal(moved, converted)
-    else:
-        torch.testing.assert_close(moved, converted, atol=1e-3, rtol=1e-3)
