@@ -89,6 +89,19 @@ def few_row_fp8_product(x, weight, scale, gated, fp8_activations, config=None):
                          out_dtype=x.dtype, config=config)
 
 
+def layer_weights(args, device):
+    """(name, N, K, gated, one bf16 weight per layer) of each shape asked for; a shape's weights are freed after."""
+    for name, n, k, gated in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
+        rows_total = 2 * n if gated else n
+        layers = max(2, min(args.layers, int(6e9 // (rows_total * k * 2))))
+        weights = [torch.randn(rows_total, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
+        yield name, n, k, gated, weights
+        weights.clear()
+        torch.cuda.empty_cache()
+
+
 def fp8_variants(x, weights, quantized, gated) -> dict:
     """label -> fn(layer index) of each way to run the product of x with one layer's weight."""
     variants = {
@@ -109,12 +122,8 @@ def fp8_variants(x, weights, quantized, gated) -> dict:
 
 def fp8_main(args, device) -> list[dict]:
     results = []
-    for name, n, k, gated in SHAPES:
-        if args.shapes and name not in args.shapes:
-            continue
-        rows_total = 2 * n if gated else n
-        layers = max(2, min(args.layers, int(6e9 // (rows_total * k * 2))))
-        weights = [torch.randn(rows_total, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
+    for name, n, k, gated, weights in layer_weights(args, device):
+        layers = len(weights)
         quantized = [quantize_rows(w) for w in weights]
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -131,9 +140,7 @@ def fp8_main(args, device) -> list[dict]:
             results.append(row)
             print(f"{name:<13} m={m:<4} " + "  ".join(f"{key} {value:7.2f}" for key, value in row.items()
                                                       if isinstance(value, float)), flush=True)
-        weights.clear()
         quantized.clear()
-        torch.cuda.empty_cache()
     return results
 
 
@@ -154,13 +161,9 @@ def main() -> None:
             json.dump(results, f, indent=2)
         return
     results = []
-    for name, n, k, gated in SHAPES:
-        if args.shapes and name not in args.shapes:
-            continue
-        rows_total = 2 * n if gated else n
-        layers = max(2, min(args.layers, int(6e9 // (rows_total * k * 2))))
-        weights = [torch.randn(rows_total, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
-        nbytes = rows_total * k * 2
+    for name, n, k, gated, weights in layer_weights(args, device):
+        layers = len(weights)
+        nbytes = weights[0].numel() * 2
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             expect = library(x, weights[0], gated)
@@ -192,8 +195,6 @@ def main() -> None:
             print(f"{name:<13} m={m:<3} library {lib_us:7.2f} us ({row['library_tbps']:.2f} TB/s)  skinny "
                   f"{default_us:7.2f} us ({row['skinny_tbps']:.2f} TB/s)  best {best[0]:7.2f} us {best[1]}",
                   flush=True)
-        weights.clear()
-        torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
