@@ -162,6 +162,9 @@ def read_message(interactive: bool) -> str | None:
             print()  # a fresh prompt, as a shell gives
 
 
+WAKE_DELAYS_S = (0.0, 0.02, 0.1)
+
+
 def wake_main_thread_on_sigint() -> None:
     """Make a Ctrl-C always interrupt the main thread's wait for input. The kernel may deliver SIGINT to any thread
     (torch's own, say); Python then only notes it, and input() would go on waiting in select() for the line the
@@ -181,7 +184,11 @@ def wake_main_thread_on_sigint() -> None:
             if not received:
                 return
             if signal.SIGINT in received:
-                signal.pthread_kill(main, signal.SIGUSR1)
+                # readline checks for signals only when its select() is interrupted: a wake that lands while it
+                # handles a keystroke is lost, so wake it again a little later (a wake with nothing noted is a no-op)
+                for delay in WAKE_DELAYS_S:
+                    time.sleep(delay)
+                    signal.pthread_kill(main, signal.SIGUSR1)
 
     threading.Thread(target=watch, name="nanovllm-sigint-waker", daemon=True).start()
 
