@@ -109,6 +109,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (input() then edits the line and keeps this session's history)
+        keep_typed_input_on_interrupt()
         wake_main_thread_on_sigint()
     llm = load_llm(args)
     params = sampling_params_from(args)
@@ -159,17 +160,51 @@ def read_message(interactive: bool) -> str | None:
         except EOFError:
             return None
         except KeyboardInterrupt:
+            SIGINTS.handled()
             print()  # a fresh prompt, as a shell gives
 
 
-WAKE_DELAYS_S = (0.0, 0.02, 0.1)
+def keep_typed_input_on_interrupt() -> None:
+    """Ctrl-C leaves what was typed in the terminal's input queue (NOFLSH; restored at exit). A flush can empty the
+    queue between readline's select() saying a key is there and its read(), which then blocks inside readline,
+    where no signal is looked at, until the next key: a Ctrl-C at the prompt would hang it. Unflushed, the keys are
+    read, and the line they were part of is dropped with the KeyboardInterrupt as before."""
+    import atexit
+    import termios
+
+    fd = sys.stdin.fileno()
+    try:
+        saved = termios.tcgetattr(fd)
+    except termios.error:
+        return
+    changed = list(saved)
+    changed[3] |= termios.NOFLSH  # lflag
+    termios.tcsetattr(fd, termios.TCSANOW, changed)
+    atexit.register(lambda: termios.tcsetattr(fd, termios.TCSANOW, saved))
+
+
+class _SigintCount:
+    """Ctrl-Cs the watcher saw and those the main thread has dealt with (the watcher wakes it until they match)."""
+
+    def __init__(self):
+        self.seen = 0
+        self.dealt_with = 0
+
+    def handled(self) -> None:
+        self.dealt_with = self.seen
+
+
+SIGINTS = _SigintCount()
+WAKE_EVERY_S = 0.02
+WAKE_FOR_S = 1.0  # at most: a SIGINT that raised elsewhere (quitting while loading, say) is not counted
 
 
 def wake_main_thread_on_sigint() -> None:
     """Make a Ctrl-C always interrupt the main thread's wait for input. The kernel may deliver SIGINT to any thread
     (torch's own, say); Python then only notes it, and input() would go on waiting in select() for the line the
-    terminal just discarded. A watcher reads the signal's wakeup byte and sends the main thread a no-op SIGUSR1:
-    its wait ends, and the noted SIGINT raises KeyboardInterrupt there."""
+    terminal just discarded. A watcher reads the signal's wakeup byte and sends the main thread no-op SIGUSR1s
+    until the Ctrl-C is dealt with: readline looks at signals only when its select() is interrupted, so a wake that
+    lands while it handles a key is lost and must come again."""
     import threading
 
     read_end, write_end = os.pipe()
@@ -184,11 +219,11 @@ def wake_main_thread_on_sigint() -> None:
             if not received:
                 return
             if signal.SIGINT in received:
-                # readline checks for signals only when its select() is interrupted: a wake that lands while it
-                # handles a keystroke is lost, so wake it again a little later (a wake with nothing noted is a no-op)
-                for delay in WAKE_DELAYS_S:
-                    time.sleep(delay)
+                SIGINTS.seen += 1
+                deadline = time.monotonic() + WAKE_FOR_S
+                while SIGINTS.dealt_with < SIGINTS.seen and time.monotonic() < deadline:
                     signal.pthread_kill(main, signal.SIGUSR1)
+                    time.sleep(WAKE_EVERY_S)
 
     threading.Thread(target=watch, name="nanovllm-sigint-waker", daemon=True).start()
 
@@ -203,6 +238,7 @@ class InterruptFlag:
 
     def _handle(self, signum, frame) -> None:
         self.raised = True
+        SIGINTS.handled()
 
     def __enter__(self) -> InterruptFlag:
         self._previous = signal.signal(signal.SIGINT, self._handle)
