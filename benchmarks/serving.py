@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (mean with a range ratio)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens (mean with a range ratio)")
     parser.add_argument("--warmup-requests", type=int, default=8,
-                        help="the first N prompts, sent together and not counted, before the timed run (and, with "
-                             "--offline, before the offline call: both sides warm up alike)")
+                        help="N requests of the same lengths (other random prompts), sent together and not counted, "
+                             "before the timed run (and, with --offline, before the offline call: both sides warm up "
+                             "alike)")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="lengths uniform in [len*(1-r), len*(1+r)]; 0 means fixed lengths")
     parser.add_argument("--random-token-range", type=int, nargs=2, default=[100, 10000], metavar=("LOW", "HIGH"),
@@ -423,10 +424,15 @@ def run_offline(args, prompts: list[tuple[object, int, int]]) -> dict:
         torch.set_num_threads(args.offline_threads)
     llm = LLM(**engine_kwargs(served))
     try:
-        ids = [p if isinstance(p, list) else llm.tokenize_prompt(p)[1] for p, _, _ in prompts]
-        params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for _, _, m in prompts]
-        if args.warmup_requests:  # the same warm-up as the server had
-            llm.generate(ids[:args.warmup_requests], params[:args.warmup_requests], use_tqdm=False)
+        def requests(prompts):
+            ids = [p if isinstance(p, list) else llm.tokenize_prompt(p)[1] for p, _, _ in prompts]
+            return ids, [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m)
+                         for _, _, m in prompts]
+
+        warmup = getattr(args, "warmup_prompts", [])
+        if warmup:  # the same warm-up as the server had
+            llm.generate(*requests(warmup), use_tqdm=False)
+        ids, params = requests(prompts)
         start = time.perf_counter()
         outputs = llm.generate(ids, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -455,9 +461,12 @@ async def run(args) -> dict:
         probe = await send(streamer, path, body, prompts[0][1])
         if not probe.ok:
             raise RuntimeError(f"the test request failed: {probe.error}")
-        # then a warm-up, as the offline engine gets: a server's first batch pays for what it does once
+        # then a warm-up, as the offline engine gets: a server's first batch pays for what it does once. Its prompts
+        # are drawn apart from the timed ones, so none of those meets a prefix the warm-up cached.
+        warmup_args = argparse.Namespace(**{**vars(args), "num_prompts": args.warmup_requests})
+        args.warmup_prompts = await make_prompts(client, warmup_args, random.Random(f"warm-up {args.seed}"), pool)
         warmup = await asyncio.gather(*(send(streamer, *payload(args, model, prompt, output_len), prompt_len)
-                                        for prompt, prompt_len, output_len in prompts[:args.warmup_requests]))
+                                        for prompt, prompt_len, output_len in args.warmup_prompts))
         if not all(r.ok for r in warmup):
             raise RuntimeError(f"a warm-up request failed: {next(r.error for r in warmup if not r.ok)}")
 
