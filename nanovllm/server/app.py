@@ -610,11 +610,18 @@ def _n(params) -> int:
     return int(getattr(params, "n", 1) or 1)
 
 
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# JSON may carry these raw, but many clients' line readers (httpx's aiter_lines, Python's splitlines) end a
+# line at them, cutting an event in two; escaped, every event is one line to any reader.
+_UNICODE_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def _encode(value) -> str:
+    return _json(value).translate(_UNICODE_LINE_BREAKS)
+
+
 def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    return f"data: {_encode(payload)}\n\n"
 
 
 class _ChunkTemplate:
