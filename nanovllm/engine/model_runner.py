@@ -37,8 +37,8 @@ from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, Sam
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
 from nanovllm.platforms.cpu import cpu_ops
+from nanovllm.platforms.cpu import sampler as cpu_sampler
 from nanovllm.platforms.cpu.model import prepare_model
-from nanovllm.platforms.cpu.sampler import greedy_tokens as cpu_greedy_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class ModelRunner:
             prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles, config.cpu.block_passes)
 
         self.backend = make_attention_backend(config)
-        self.sampler = Sampler(cpu_greedy_tokens if self.device.type == "cpu" else None)
+        on_cpu = self.device.type == "cpu"
+        self.sampler = Sampler(cpu_sampler.greedy_tokens if on_cpu else None, cpu_sampler.top_k_top_p if on_cpu else None)
         self.decode_tables = DecodeBlockTables()  # block tables kept across planned decode steps
         self.sampling_cache = SamplingTensorCache()  # kept across steps while the same sequences sample
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

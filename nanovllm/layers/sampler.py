@@ -6,11 +6,14 @@ Per row of logits, in this order (vLLM's):
         |
         logit_bias -> token bitmask (structured outputs, allowed_token_ids) -> min_tokens / bad words mask (EOS / stop ids -> -inf) -> penalties -> argmax = the greedy token
         |
-        / temperature -> min_p -> top_k -> top_p -> argmax(probs / Exponential(1) noise) = the sampled token
+        / temperature -> min_p -> top_k -> top_p -> the sampled token
 
-argmax(p / E) with E ~ Exponential(1) is a sample from p (the Gumbel-max trick in another form), and needs no
-cumulative sum and no host sync. A seeded row draws its noise from its own generator, so its tokens depend on
-its seed alone, not on the batch around it. Each stage runs only when some row in the batch uses it (the flags
+The sampled token is drawn in one of two ways, both without a host sync. With per-row noise seeds (CUDA), a
+Triton kernel takes argmax(logits / T + Gumbel noise) in one pass over the logits, no softmax. Otherwise (the CPU)
+the token is where a row's cumulative probability first exceeds one uniform draw: one random number a row, where
+noise costs one per vocabulary entry, which on the CPU took several times the sum and the search (measured in
+docs/benchmarks.md). A seeded row draws from its own generator, so its tokens
+depend on its seed alone, not on the batch around it. Each stage runs only when some row in the batch uses it (the flags
 and sizes in SamplingTensors are plain Python values, known without looking at the device), and then as one
 batched operation over the rows: a row that does not use a stage passes through it unchanged.
 """
@@ -125,23 +128,38 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor,
+                      log_normaliser: torch.Tensor | None = None) -> torch.Tensor:
     """top_k (0 = off) then top_p (1 = off) over one sort of each row, most likely first.
 
     top_p keeps the smallest set of most likely tokens whose probability (after top_k) sums to >= top_p: a token
     stays while the tokens ranked above it hold less than top_p, so the most likely token always stays. The sort
     is stable: among equal logits the lowest token id ranks first, as in argmax, so a tiny top_p is exactly greedy.
+    log_normaliser: top_p_log_normaliser of these rows, where the caller has it already.
     """
     vocab = logits.shape[-1]
     ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    kth = None
     if top_k is not None:
         kth = ordered.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
-        ordered = ordered.masked_fill((ordered < kth) & (top_k > 0).unsqueeze(1), float("-inf"))
-    probs = ordered.softmax(dim=-1)
+        kth = kth.masked_fill((top_k == 0).unsqueeze(1), float("-inf"))
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if log_normaliser is None:
+        log_normaliser = top_p_log_normaliser(logits, kth)
+    probs = (ordered - log_normaliser).exp()
     mass_above = probs.cumsum(dim=-1) - probs
     drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # rounding must not touch top_p=1 rows
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def top_p_log_normaliser(logits: torch.Tensor, kth: torch.Tensor | None) -> torch.Tensor:
+    """log of the softmax's sum over each row of logits [B, V], or over its tokens >= kth [B, 1] (top_k; -inf
+    for none) -> [B, 1]. Over the rows in their own order, so that a sort of the whole row and a search among its
+    most likely tokens (platforms/cpu/sampler.py) find the same probabilities, to the bit."""
+    if kth is not None:
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.logsumexp(dim=-1, keepdim=True)
 
 
 def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SampledLogprobs:
@@ -156,14 +174,18 @@ def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: i
     return SampledLogprobs(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 
 
-def exponential_noise(shape: torch.Size, device: torch.device, generator: torch.Generator | None,
-                      generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exponential(1) noise; a row with its own generator gets a fresh draw from it (depends on it alone)."""
-    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(1.0, generator=generator)
+def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None,
+                       generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """A token of each row of probs [B, V] (rows need not sum to 1): the first whose cumulative probability
+    exceeds a uniform draw scaled to the row's total. A row with its own generator draws from it alone."""
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    uniform = torch.rand(total.shape, dtype=total.dtype, device=total.device, generator=generator)
     for row, row_generator in generators.items():  # the seeded rows only: a loop over requests, not the vocab
-        noise[row].exponential_(1.0, generator=row_generator)
-    # exponential_ should never give 0, but p / 0 for a filtered token (p = 0) would be NaN, which argmax picks
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        uniform[row] = torch.rand(1, dtype=total.dtype, device=total.device, generator=row_generator)
+    # strictly below the total: the token found then has a cumulative sum above the one before it, so p > 0
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True).squeeze(1)
 
 
 def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -172,10 +194,13 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    def __init__(self, greedy_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """greedy_tokens: the platform's argmax_tokens, where it has a faster one (platforms/cpu/sampler.py)."""
+    def __init__(self, greedy_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 top_k_top_p: Callable[..., torch.Tensor] | None = None) -> None:
+        """greedy_tokens, top_k_top_p: the platform's argmax_tokens and apply_top_k_top_p, where it has faster
+        ones with the same results (platforms/cpu/sampler.py)."""
         super().__init__()
         self.greedy_tokens = greedy_tokens or argmax_tokens
+        self.top_k_top_p = top_k_top_p or apply_top_k_top_p
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors | torch.Tensor,
                 generator: torch.Generator | None = None) -> SamplerOutput:
@@ -220,16 +245,14 @@ class Sampler(nn.Module):
             if params.min_p is not None:
                 scaled = apply_min_p(scaled, params.min_p)
             if params.top_p is not None:
-                scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
+                scaled = self.top_k_top_p(scaled, params.top_k, params.top_p)
             elif params.top_k is not None:
                 scaled = apply_top_k(scaled, params.top_k, params.max_top_k)
             if params.row_seeds is not None:
                 # already divided by the temperature: the kernel only adds the row's noise (0 keeps greedy rows)
                 token_ids = gumbel_argmax(scaled, is_greedy.logical_not().float(), params.row_seeds)
             else:
-                probs = torch.softmax(scaled, dim=-1)
-                noise = exponential_noise(probs.shape, probs.device, generator, params.generators)
-                sampled = (probs / noise).argmax(dim=-1)
+                sampled = inverse_cdf_sample(torch.softmax(scaled, dim=-1), generator, params.generators)
                 token_ids = torch.where(is_greedy, self.greedy_tokens(logits), sampled)
 
         if raw_logprobs is not None:

@@ -9,7 +9,8 @@ import torch
 from nanovllm import SamplingParams
 from nanovllm.engine.sampling import build_sampling_tensors
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler, SamplingTensors, apply_penalties
+from nanovllm.layers import sampler as sampler_module
+from nanovllm.layers.sampler import Sampler, SamplingTensors, apply_penalties, inverse_cdf_sample
 
 CPU = torch.device("cpu")
 # A tiny vocabulary. At temperature 1 the distribution is PROBS ** 1.7 renormalised (0.42, 0.25, 0.14, 0.09,
@@ -245,6 +246,17 @@ def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
                         SamplingParams(presence_penalty=1.0)], 2)
     assert mixed == alone
     assert draw(1235, [], 0) != alone, "another seed, other tokens"
+
+
+@pytest.mark.parametrize("draw, expected", [(0.0, [1, 0]), (0.4, [1, 2]), (float(np.nextafter(np.float32(1), 0)), [2, 2]),
+                                            (1.0, [2, 2])])
+def test_inverse_cdf_never_picks_a_zero_probability_token(monkeypatch, draw, expected):
+    """At the edges of the uniform draw (0, just below 1, and 1 itself, which rounding of draw x total can reach)
+    the token found is one with probability above 0, never a filtered one before, between or after."""
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.0, 0.75, 0.0]])
+    monkeypatch.setattr(sampler_module.torch, "rand", lambda shape, **kw: torch.full(
+        shape if isinstance(shape, tuple) else (shape,), draw))
+    assert inverse_cdf_sample(probs, None, {}).tolist() == expected
 
 
 def test_temperature_tensor_still_accepted():
