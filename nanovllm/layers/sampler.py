@@ -129,37 +129,41 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor,
-                      log_normaliser: torch.Tensor | None = None) -> torch.Tensor:
+                      row_log_normaliser: torch.Tensor | None = None) -> torch.Tensor:
     """top_k (0 = off) then top_p (1 = off) over one sort of each row, most likely first.
 
     top_p keeps the smallest set of most likely tokens whose probability (after top_k) sums to >= top_p: a token
     stays while the tokens ranked above it hold less than top_p, so the most likely token always stays. The sort
     is stable: among equal logits the lowest token id ranks first, as in argmax, so a tiny top_p is exactly greedy.
-    log_normaliser: top_p_log_normaliser of these rows, where the caller has it already.
+    row_log_normaliser: logits.logsumexp(dim=-1, keepdim=True), where the caller has it already.
     """
     vocab = logits.shape[-1]
     ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-    kth = None
     if top_k is not None:
         kth = ordered.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
-        kth = kth.masked_fill((top_k == 0).unsqueeze(1), float("-inf"))
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    if log_normaliser is None:
-        log_normaliser = top_p_log_normaliser(logits, kth)
-    probs = (ordered - log_normaliser).exp()
+        ordered = ordered.masked_fill((ordered < kth) & (top_k > 0).unsqueeze(1), float("-inf"))
+    if row_log_normaliser is None:
+        row_log_normaliser = logits.logsumexp(dim=-1, keepdim=True)
+    probs = sorted_probabilities(ordered, top_k, row_log_normaliser)
     mass_above = probs.cumsum(dim=-1) - probs
     drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # rounding must not touch top_p=1 rows
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
-def top_p_log_normaliser(logits: torch.Tensor, kth: torch.Tensor | None) -> torch.Tensor:
-    """log of the softmax's sum over each row of logits [B, V], or over its tokens >= kth [B, 1] (top_k; -inf
-    for none) -> [B, 1]. Over the rows in their own order, so that a sort of the whole row and a search among its
-    most likely tokens (platforms/cpu/sampler.py) find the same probabilities, to the bit."""
-    if kth is not None:
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return logits.logsumexp(dim=-1, keepdim=True)
+def sorted_probabilities(ordered: torch.Tensor, top_k: torch.Tensor | None,
+                         row_log_normaliser: torch.Tensor) -> torch.Tensor:
+    """The softmax of rows sorted most likely first, top_k's dropped tokens already -inf: [B, N] -> [B, N].
+
+    A row under top_k is normalised over its own kept values by a running sum, which the CPU adds in order, so
+    any prefix holding all its kept tokens gives the same bits (platforms/cpu/sampler.py searches such a prefix);
+    a row without top_k by row_log_normaliser [B, 1], the logsumexp of its whole row."""
+    if top_k is None:
+        return (ordered - row_log_normaliser).exp()
+    top = ordered[:, :1]
+    kept_sum = (ordered - top).exp().cumsum(dim=-1)[:, -1:]
+    log_normaliser = torch.where((top_k > 0).unsqueeze(1), top + kept_sum.log(), row_log_normaliser)
+    return (ordered - log_normaliser).exp()
 
 
 def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SampledLogprobs:

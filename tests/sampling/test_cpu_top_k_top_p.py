@@ -22,9 +22,9 @@ def _logits(rows: int, seed: int, ties: bool) -> torch.Tensor:
 def _count_sorted_rows(monkeypatch) -> list[int]:
     sorted_rows = []
 
-    def counting(logits, top_k, top_p, log_normaliser=None):
+    def counting(logits, top_k, top_p, row_log_normaliser=None):
         sorted_rows.append(logits.shape[0])
-        return apply_top_k_top_p(logits, top_k, top_p, log_normaliser)
+        return apply_top_k_top_p(logits, top_k, top_p, row_log_normaliser)
     monkeypatch.setattr(cpu_sampler, "apply_top_k_top_p", counting)
     return sorted_rows
 
