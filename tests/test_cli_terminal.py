@@ -22,9 +22,16 @@ INTERRUPT_SECONDS = 60  # from Ctrl-C to the prompt: a few engine steps, even on
 PROMPT = "\r\n> "
 
 
+def as_from_a_shell() -> None:
+    """In the child before exec: Ctrl-C back to its default, as a shell's foreground command starts. An ignored
+    SIGINT survives exec and Python then leaves it ignored; a suite started as a background job of a
+    non-interactive shell (`make test &`) ignores SIGINT, and so would every command it starts."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args: str) -> pexpect.spawn:
     child = pexpect.spawn(sys.executable, ["-m", "nanovllm.cli", *args], env=ENV, cwd=ROOT, encoding="utf-8",
-                          timeout=180, dimensions=(24, 200))
+                          timeout=180, dimensions=(24, 200), preexec_fn=as_from_a_shell)
     return child
 
 
@@ -102,7 +109,8 @@ def test_generate_without_prompts_at_a_terminal_says_it_reads_stdin():
 
 def test_generate_under_sigint_exits_130_without_a_traceback():
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm.cli", "generate", *LONG, "Tell me a long story."],
-                            env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_from_a_shell)
     try:
         seen = ""
         deadline = time.monotonic() + 180
