@@ -144,11 +144,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         ordered = ordered.masked_fill((ordered < kth) & (top_k > 0).unsqueeze(1), float("-inf"))
     if row_log_normaliser is None:
         row_log_normaliser = logits.logsumexp(dim=-1, keepdim=True)
-    probs = sorted_probabilities(ordered, top_k, row_log_normaliser)
-    mass_above = probs.cumsum(dim=-1) - probs
-    drop = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # rounding must not touch top_p=1 rows
+    drop = top_p_drop(sorted_probabilities(ordered, top_k, row_log_normaliser), top_p)
     ordered = ordered.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def top_p_drop(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, N] probabilities sorted most likely first -> [B, N] bool: the tokens top_p drops, those with at least
+    top_p of the mass ranked above them."""
+    mass_above = probs.cumsum(dim=-1) - probs
+    return (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # rounding must not touch top_p=1 rows
 
 
 def sorted_probabilities(ordered: torch.Tensor, top_k: torch.Tensor | None,

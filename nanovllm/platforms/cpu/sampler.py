@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.layers.sampler import apply_top_k_top_p, sorted_probabilities
+from nanovllm.layers.sampler import apply_top_k_top_p, sorted_probabilities, top_p_drop
 from nanovllm.platforms.cpu import cpu_ops
 
 # How many of a row's most likely tokens top_p looks at, widening on the rows it could not decide, before it
@@ -28,11 +28,6 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
     on the host, which costs nothing on the CPU."""
     num_rows, vocab = logits.shape
     uses_top_k = torch.zeros(num_rows, dtype=torch.bool) if top_k is None else top_k > 0
-    kth = None
-    if top_k is not None and uses_top_k.any():
-        k = top_k.clamp(1, vocab)
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-        kth = kth.masked_fill(~uses_top_k.unsqueeze(1), float("-inf"))
     # over the whole batch as apply_top_k_top_p takes it (torch may round a row of a smaller batch otherwise),
     # and only where a row without top_k needs it
     row_log_normaliser = (logits.logsumexp(dim=-1, keepdim=True) if bool((~uses_top_k & (top_p < 1)).any())
@@ -44,9 +39,8 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
     for width in CANDIDATE_WIDTHS:
         if rest.numel() == 0 or width >= vocab:
             break
-        decided, ids, kept = _decide_among_candidates(
-            logits[rest], None if top_k is None else top_k[rest], None if kth is None else kth[rest],
-            row_log_normaliser[rest], top_p[rest], width)
+        decided, ids, kept = _decide_among_candidates(logits[rest], None if top_k is None else top_k[rest],
+                                                      row_log_normaliser[rest], top_p[rest], width)
         rows = rest[decided]
         result[rows] = result[rows].scatter_(1, ids[decided], kept[decided])
         rest = rest[~decided]
@@ -56,9 +50,8 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
     return result
 
 
-def _decide_among_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, kth: torch.Tensor | None,
-                             row_log_normaliser: torch.Tensor, top_p: torch.Tensor, width: int
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _decide_among_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, row_log_normaliser: torch.Tensor,
+                             top_p: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's ``width`` largest logits in the full sort's order -> (decided [R] bool: the kept tokens are
     known from these alone, their ids [R, width], their logits with the dropped ones -inf [R, width])."""
     values, ids = logits.topk(width, dim=-1)  # descending; equal values in no particular order
@@ -67,12 +60,12 @@ def _decide_among_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, k
     ids = ids.gather(1, order)
     smallest = values[:, -1:]
     fits = torch.ones_like(top_p, dtype=torch.bool)
-    if kth is not None:  # every token >= kth among the candidates
-        values = values.masked_fill(values < kth, float("-inf"))
-        fits = ((kth > smallest) | (kth == float("-inf"))).squeeze(1)
-    probs = sorted_probabilities(values, top_k, row_log_normaliser)
-    mass_above = probs.cumsum(dim=-1) - probs
-    drop = ((mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)) | (values == float("-inf"))
+    if top_k is not None:  # the kth largest is a candidate's where k <= width; then every token >= it must be one
+        uses_top_k = top_k > 0
+        kth = values.gather(1, (top_k.clamp(1, width) - 1).unsqueeze(1))
+        values = values.masked_fill((values < kth) & uses_top_k.unsqueeze(1), float("-inf"))
+        fits = (top_k <= width) & (kth > smallest).squeeze(1) | ~uses_top_k
+    drop = top_p_drop(sorted_probabilities(values, top_k, row_log_normaliser), top_p) | (values == float("-inf"))
     last_kept = values.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)
     decided = fits & drop[:, -1] & (last_kept > smallest).squeeze(1)
     return decided, ids, values.masked_fill(drop, float("-inf"))
