@@ -188,16 +188,18 @@ class CpuAttentionBackend(AttentionBackend):
         return (meta is not None and qkv is not None and rotary.cos.shape[-1] == head_dim
                 and cpu_ops.usable(qkv, rotary.cos) and cpu_ops.kv_cache_usable(k_cache))
 
+    def compiled_rows(self, meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(row_seq, attend_lens) of the step as the compiled kernel reads them: see cpu_ops.rope_store_attention."""
+        if meta.num_prefills:
+            return self._plan(meta).token_rows
+        return None, meta.seq_lens  # a decode step: row r is request r, and attends to its whole sequence
+
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm, num_heads: int,
                     num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """The compiled kernel. Its caches are never fp8 (kv_cache_usable), so k_scale and v_scale are 1.0."""
         assert k_scale == v_scale == 1.0, "the compiled CPU attention takes no fp8 cache"
-        plan = self._plan(meta)
-        if meta.num_prefills:
-            row_seq, attend_lens = plan.token_rows
-        else:  # a decode step: row r is request r, and attends to its whole sequence
-            row_seq, attend_lens = None, meta.seq_lens
+        row_seq, attend_lens = self.compiled_rows(meta)
         return cpu_ops.rope_store_attention(
             qkv, positions, rotary.cos, rotary.sin, None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps, k_cache, v_cache,

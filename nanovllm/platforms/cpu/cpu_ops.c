@@ -1339,3 +1339,65 @@ int64_t dequantize_rows_blocks(const uint8_t *w, const uint16_t *d, const uint16
   }
   return bad;
 }
+
+/* ---- a whole decoder layer in one call --------------------------------------------------------------------
+   The dense decoder layer of a model whose four linears are block weights (linear_blocks_f32) in one call from
+   Python instead of seven: a decode step of one request calls ~200 ops, and each call from Python costs
+   microseconds the products at one row cannot hide. The steps are the ops above, in the general layer's order. */
+typedef struct {
+  const uint8_t *w;
+  const uint16_t *d, *m;
+  const float *bias;
+  int32_t bits, passes;
+  int64_t in, out;
+} BlockLinearArgs;
+
+typedef struct {
+  const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL without per-head norms */
+  float norm_eps, head_norm_eps, scale;
+  int32_t kv_kind;
+  BlockLinearArgs qkv, o, gate_up, down;
+  void *k_cache, *v_cache;
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+} DecoderLayerArgs;
+
+/* what every layer of a step shares: rope_store_attention_f32's arguments of the step */
+typedef struct {
+  const int64_t *positions, *slot_mapping;
+  const float *cos, *sin;
+  const int32_t *block_tables, *row_seq, *attend_lens;
+  int64_t table_stride, rows;
+  int32_t num_threads;
+} DecoderStepArgs;
+
+static void block_linear(const BlockLinearArgs *l, const float *x, float *y, int64_t rows, int num_threads) {
+  linear_blocks_f32(x, NULL, l->w, l->d, l->m, l->bits, l->passes, l->bias, y, rows, l->in, l->out, num_threads);
+}
+
+/* x [rows, hidden_size]: the layer's input; out (may be x): its MLP's output; residual [rows, hidden_size]: the
+   residual stream, updated in place (with has_residual 0, the first layer's: it becomes x). */
+void decoder_layer_blocks_f32(const DecoderLayerArgs *l, const DecoderStepArgs *s, const float *x, float *residual,
+                              float *out, int has_residual) {
+  const int64_t rows = s->rows, dim = l->o.out, nt = s->num_threads;
+  const int64_t qkv_width = l->qkv.out, attn_width = l->o.in, inter = l->down.in;
+  float *scratch = malloc(sizeof(float) * rows * (dim + qkv_width + attn_width + dim + 2 * inter + inter));
+  float *normed = scratch, *qkv = normed + rows * dim, *attn = qkv + rows * qkv_width;
+  float *o = attn + rows * attn_width, *gate_up = o + rows * dim, *act = gate_up + rows * 2 * inter;
+  if (has_residual) {
+    add_rms_norm_f32(x, NULL, residual, residual, l->input_norm, normed, NULL, rows, dim, l->norm_eps, nt);
+  } else {
+    memcpy(residual, x, sizeof(float) * rows * dim);
+    add_rms_norm_f32(x, NULL, NULL, NULL, l->input_norm, normed, NULL, rows, dim, l->norm_eps, nt);
+  }
+  block_linear(&l->qkv, normed, qkv, rows, nt);
+  rope_store_attention_f32(qkv, qkv_width, s->positions, s->cos, s->sin, l->q_norm, l->k_norm, l->head_norm_eps,
+                           l->k_cache, l->v_cache, l->kv_kind, s->block_tables, s->table_stride, s->row_seq,
+                           s->attend_lens, s->slot_mapping, attn, rows, l->num_heads, l->num_kv_heads, l->head_dim,
+                           l->block_size, l->scale, nt);
+  block_linear(&l->o, attn, o, rows, nt);
+  add_rms_norm_f32(o, NULL, residual, residual, l->post_norm, normed, NULL, rows, dim, l->norm_eps, nt);
+  block_linear(&l->gate_up, normed, gate_up, rows, nt);
+  silu_and_mul_f32(gate_up, NULL, act, NULL, rows, inter, nt);
+  block_linear(&l->down, act, out, rows, nt);
+  free(scratch);
+}

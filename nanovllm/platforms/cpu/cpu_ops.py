@@ -47,6 +47,7 @@ SIGNATURES = {
     "linear_i8_tiles_f32": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
     "linear_blocks_f32": [_P, _P, _P, _P, _P, _I32, _I32, _P, _P, _I64, _I64, _I64, _I32],
     "linear_blocks_top_f32": [_P, _P, _P, _P, _P, _I32, _P, _P, _P, _P, _I64, _I64, _I64, _I32],
+    "decoder_layer_blocks_f32": [_P, _P, _P, _P, _P, _I32],
 }
 
 

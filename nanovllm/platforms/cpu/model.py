@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from nanovllm.models.decoder import DecoderLayer, DecoderMLP
+from nanovllm.platforms.cpu.decoder_layer import use_compiled_layers
 from nanovllm.platforms.cpu.layers import CpuRMSNorm, CpuSiluAndMul, use_block_embedding, use_cpu_layers
 from nanovllm.platforms.cpu.linear import Int8Linear, use_linear_methods
 
@@ -17,6 +18,7 @@ def prepare_model(model: nn.Module, kind: str, int8_tiles: bool = False, block_p
     use_cpu_layers(model)
     use_linear_methods(model, kind, int8_tiles, block_passes)
     use_block_embedding(model)
+    use_compiled_layers(model)
     if kind == "int8":
         plan_row_scales(model)
 
