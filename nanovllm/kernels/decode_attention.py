@@ -18,6 +18,7 @@ Splits of one request::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -25,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import e4m3_to_f16_in_registers
 from nanovllm.kernels.jit import (
+    INTERPRETED,
     jit_unspecialized,
     num_sms,
     overlap_options,
@@ -68,6 +71,7 @@ def _decode_split_kernel(
     WRITE_OUT: tl.constexpr,    # num_splits == 1: normalise and write out, skip the partials
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,       # the cache is e4m3: tiles are upcast to COMPUTE as they load
+    V_ASM_UPCAST: tl.constexpr, # KV_FP8 on sm_89+: V through e4m3_to_f16_in_registers (fp8.py says why)
     COMPUTE: tl.constexpr,      # the dtype of the products: q's, or float16 over an fp8 cache of 16-bit q
     OVERLAP: tl.constexpr,      # launched overlapped with the kernel before (kernels/jit.py)
 ):
@@ -115,7 +119,11 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         # v: [BLOCK_N, HEAD_DIM]
         v = tl.load(v_cache_ptr + token_offsets[:, None] + dims[None, :], mask=token_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v.to(COMPUTE), input_precision=DOT_PRECISION)
+        if V_ASM_UPCAST:
+            v = e4m3_to_f16_in_registers(v)
+        else:
+            v = v.to(COMPUTE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if KV_FP8:
@@ -174,6 +182,20 @@ def _compute_dtype(q_dtype: torch.dtype, kv_fp8: bool):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q_dtype]
 
 
+@functools.cache
+def _has_e4m3_cvt(device: torch.device) -> bool:
+    return not INTERPRETED and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _shared_memory_per_program(device: torch.device | None) -> int:
+    """The most shared memory one program may take: the device's opt-in limit; Hopper's (227 KiB) off a GPU."""
+    if device is None or device.type != "cuda" or INTERPRETED:
+        return 227 * 1024
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters of the split kernel."""
@@ -181,16 +203,27 @@ class DecodeConfig:
     block_n: int      # keys per tile
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # a cap per thread that lets one more program share an SM
+
+    def launch_options(self) -> dict:
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers is not None and not INTERPRETED:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
-def default_decode_config(head_dim: int, cache_dtype: torch.dtype) -> DecodeConfig:
+def default_decode_config(head_dim: int, cache_dtype: torch.dtype, device: torch.device | None = None) -> DecodeConfig:
     """Key tiles of ~16 KiB of K (and as much V), four in flight: ~128 KiB of shared memory, one program per
     Hopper SM (228 KiB) with its loads far enough ahead to cover the paged lookups (the H200 sweep in
     docs/benchmarks.md: a quarter faster than three stages for one long request, the same at 256 requests).
-    An fp8 cache's rows are half as long, so its tiles hold twice the keys (128): 12 % faster at 256 requests."""
+    An fp8 cache's rows are half as long, so its tiles hold twice the keys (128), and six stages give each K/V
+    tile a second buffer: the next tile loads while this one is converted and multiplied (~105 KiB of shared
+    memory: a GPU with less a program, as sm_89's 99 KiB, keeps four stages, one buffer)."""
     row_bytes = head_dim * cache_dtype.itemsize
-    return DecodeConfig(block_n=min(128 if cache_dtype.itemsize == 1 else 64, max(16, 16384 // row_bytes)),
-                        num_warps=4, num_stages=4)
+    if cache_dtype.itemsize == 1:
+        stages = 6 if _shared_memory_per_program(device) >= 160 * 1024 else 4
+        return DecodeConfig(block_n=min(128, max(16, 16384 // row_bytes)), num_warps=4, num_stages=stages)
+    return DecodeConfig(block_n=min(64, max(16, 16384 // row_bytes)), num_warps=4, num_stages=4)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
@@ -261,7 +294,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_seqs == 0:
         return out
 
-    config = config or default_decode_config(head_dim, k_cache.dtype)
+    config = config or default_decode_config(head_dim, k_cache.dtype, q.device)
     asked_splits = num_splits
     num_splits, _ = plan_splits(num_seqs, num_kv_heads, max_seq_len, config.block_n, q.device, num_splits)
     # a split count asked for by the caller is honoured down to one tile a split; the planned one keeps splits
@@ -285,8 +318,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_HEADS=num_heads, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, WRITE_OUT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        COMPUTE=_compute_dtype(q.dtype, kv_fp8), num_warps=config.num_warps, num_stages=config.num_stages,
-        **overlap_options(q.device),
+        V_ASM_UPCAST=kv_fp8 and _has_e4m3_cvt(q.device) and _compute_dtype(q.dtype, kv_fp8) == tl.float16,
+        COMPUTE=_compute_dtype(q.dtype, kv_fp8), **config.launch_options(), **overlap_options(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -29,6 +29,20 @@ def to_e4m3(x, inv_scale):
     return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def e4m3_to_f16_in_registers(x):
+    """e4m3 -> float16, four values a 32-bit register through the hardware's cvt (sm_89 and later).
+
+    A plain ``.to(tl.float16)`` of a tile feeding ``tl.dot`` is moved by the compiler to after the tile's read
+    from shared memory, in the operand's layout; for the right operand of ``p @ v`` (keys along the reduction,
+    head_dim contiguous in memory) that read is byte by byte, with as many instructions again to pack the bytes.
+    The conversion here is an opaque (non-pure) asm the compiler does not move: the tile is read from shared
+    memory in wide rows, converted, and rearranged as float16, which has a transposing shared-memory read."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
 # the scale a row of zeros gets (its reciprocal would be infinite); layers/quantization/fp8.py uses the same
 MIN_ROW_SCALE = tl.constexpr(1e-12)
 
