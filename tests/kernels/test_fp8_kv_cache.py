@@ -110,6 +110,16 @@ def test_an_fp8_cache_takes_tiles_of_twice_the_keys() -> None:
     assert default_decode_config(128, torch.bfloat16).block_n == 64
 
 
+def test_an_fp8_cache_double_buffers_where_shared_memory_allows(monkeypatch) -> None:
+    """Six stages (a second K/V buffer, ~105 KiB) on Hopper's 227 KiB a program; four where a program gets less."""
+    import nanovllm.kernels.decode_attention as decode
+
+    assert default_decode_config(128, FP8_DTYPE).num_stages == 6
+    monkeypatch.setattr(decode, "_shared_memory_per_program", lambda device: 99 * 1024)  # sm_89
+    assert default_decode_config(128, FP8_DTYPE).num_stages == 4
+    assert default_decode_config(128, torch.bfloat16).num_stages == 4
+
+
 def test_scales_on_a_16_bit_cache_are_refused(paged_batch) -> None:
     batch = paged_batch([1], [9], num_heads=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
     with pytest.raises(AssertionError, match="scales"):
