@@ -2,6 +2,7 @@
 
     python benchmarks/prefill_attention.py --out results/prefill_attention.json     # GPU: 8k, 32k, chunks of 128k
     python benchmarks/prefill_attention.py --smoke --out /tmp/smoke.json            # CPU interpreter
+    python benchmarks/prefill_attention.py --kv-cache-dtype fp8 --out results/prefill_fp8.json   # an e4m3 cache
 
 Each case is one request: a chunk of query_len queries after context_len cached keys (a whole prompt when
 the context is 0; the last chunk of a chunked 128k prompt otherwise). FLOPs = 4 x heads x head_dim x the
@@ -34,6 +35,9 @@ def main() -> int:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the cache is e4m3 (scales 0.05 / 0.02), read into the products' dtype")
+    parser.add_argument("--default-only", action="store_true", help="time the default tiling alone")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under the Triton CPU interpreter")
     args = parser.parse_args()
     if args.smoke:
@@ -44,10 +48,12 @@ def main() -> int:
     from nanovllm.kernels.prefill_attention import PrefillConfig, default_prefill_config, prefill_attention
 
     device, dtype = ("cpu", torch.float16) if args.smoke else ("cuda", torch.bfloat16)
-    cases, configs = CASES, CONFIGS
+    cases, configs = CASES, [] if args.default_only else CONFIGS
     if args.smoke:
         args.num_heads, args.num_kv_heads, args.head_dim, args.block_size = 4, 2, 32, 16
         cases, configs = [(40, 0), (20, 30)], [(16, 16, 4, 2, 1), (16, 16, 4, 2, 2)]
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype
+    k_scale, v_scale = (0.05, 0.02) if args.kv_cache_dtype == "fp8" else (1.0, 1.0)
     group = args.num_heads // args.num_kv_heads
     rows = []
     for query_len, context_len in cases:
@@ -55,8 +61,8 @@ def main() -> int:
         num_blocks = triton.cdiv(seq_len, args.block_size)
         gen = torch.Generator(device=device).manual_seed(0)
         k_cache = torch.randn(num_blocks, args.block_size, args.num_kv_heads, args.head_dim, device=device,
-                              generator=gen).to(dtype)
-        v_cache = torch.randn_like(k_cache)
+                              generator=gen).to(kv_dtype)
+        v_cache = torch.randn(k_cache.shape, device=device, generator=gen).to(kv_dtype)
         q = torch.randn(query_len, args.num_heads, args.head_dim, device=device, generator=gen).to(dtype)
         tables = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)[None]
         cu = torch.tensor([0, query_len], dtype=torch.int32, device=device)
@@ -70,7 +76,8 @@ def main() -> int:
         reference = None
         for label, config in candidates:
             call = functools.partial(prefill_attention, q, k_cache, v_cache, tables, cu, lens,
-                                     args.head_dim**-0.5, query_len, config=config)
+                                     args.head_dim**-0.5, query_len, config=config, k_scale=k_scale,
+                                     v_scale=v_scale)
             out = call()
             if reference is None:
                 reference = out
@@ -83,6 +90,7 @@ def main() -> int:
             tflops = flops / (ms * 1e-3) / 1e12 if ms else 0.0
             rows.append(dict(query_len=query_len, context_len=context_len, config=label, ms=round(ms, 3),
                              tflops=round(tflops, 1), fraction_of_peak=round(tflops / PEAK_TFLOPS, 3)))
+    print(f"KV cache {args.kv_cache_dtype}")
     print(f"{'queries':>8}{'context':>9}  {'config':<22}{'ms':>9}{'TFLOP/s':>9}{'of peak':>9}")
     for r in rows:
         print(f"{r['query_len']:>8}{r['context_len']:>9}  {r['config']:<22}{r['ms']:>9.3f}{r['tflops']:>9.1f}"

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import e4m3_to_f16_in_registers
+from nanovllm.kernels.fp8 import e4m3_to_f16_in_registers, kv_compute_dtype
 from nanovllm.kernels.jit import (
     INTERPRETED,
     jit_unspecialized,
@@ -173,15 +173,6 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def _compute_dtype(q_dtype: torch.dtype, kv_fp8: bool):
-    """The products' dtype: q's, except over an fp8 cache of 16-bit queries: float16, which holds every e4m3 value
-    exactly and is the cheaper upcast (the kernel 10 % faster than upcasting to bfloat16 at 256 requests, H200).
-    A bfloat16 q must then fit float16's range, as the queries of the models we run do."""
-    if kv_fp8 and q_dtype != torch.float32:
-        return tl.float16
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q_dtype]
-
-
 @functools.cache
 def _has_e4m3_cvt(device: torch.device) -> bool:
     return not INTERPRETED and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -318,8 +309,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_HEADS=num_heads, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, WRITE_OUT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        V_ASM_UPCAST=kv_fp8 and _has_e4m3_cvt(q.device) and _compute_dtype(q.dtype, kv_fp8) == tl.float16,
-        COMPUTE=_compute_dtype(q.dtype, kv_fp8), **config.launch_options(), **overlap_options(q.device),
+        V_ASM_UPCAST=kv_fp8 and _has_e4m3_cvt(q.device) and kv_compute_dtype(q.dtype, kv_fp8) == tl.float16,
+        COMPUTE=kv_compute_dtype(q.dtype, kv_fp8), **config.launch_options(), **overlap_options(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -29,6 +29,15 @@ def to_e4m3(x, inv_scale):
     return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
+def kv_compute_dtype(q_dtype: torch.dtype, kv_fp8: bool):
+    """The attention kernels' product dtype: q's, except over an fp8 cache of 16-bit queries: float16, which holds
+    every e4m3 value exactly and is the cheaper upcast (one instruction per two values; bfloat16 takes a detour
+    through float32). A bfloat16 q must then fit float16's range, as the queries of the models we run do."""
+    if kv_fp8 and q_dtype != torch.float32:
+        return tl.float16
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[q_dtype]
+
+
 @triton.jit
 def e4m3_to_f16_in_registers(x):
     """e4m3 -> float16, four values a 32-bit register through the hardware's cvt (sm_89 and later).

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import kv_compute_dtype
 from nanovllm.kernels.jit import jit_unspecialized
 
 LOG2E = math.log2(math.e)
@@ -40,7 +41,7 @@ def _attend_key_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,   # False: every key of every tile is visible to every query
     DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,        # the cache is e4m3: tiles are upcast to q's dtype as they load
+    KV_FP8: tl.constexpr,        # the cache is e4m3: tiles are upcast to q's dtype (the products') as they load
 ):
     dims = tl.arange(0, HEAD_DIM)
     for start in range(key_start, key_end, BLOCK_N):
@@ -103,6 +104,7 @@ def _prefill_attention_kernel(
     HEADS: tl.constexpr,         # query heads of one kv head in a program: they share each K/V tile it loads
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    COMPUTE: tl.constexpr,       # the products' dtype: q's, or float16 over an fp8 cache (fp8.kv_compute_dtype)
 ):
     # The last query tiles see the most keys: they start first, so the lightest tiles fill the final wave.
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -126,7 +128,7 @@ def _prefill_attention_kernel(
     tokens = (q_start + rows).to(tl.int64)
     # q: [HEADS * BLOCK_M, HEAD_DIM]
     q = tl.load(q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
-                mask=row_mask[:, None], other=0.0)
+                mask=row_mask[:, None], other=0.0).to(COMPUTE)
 
     kv_head_offset = (head_group * HEADS // GROUP) * HEAD_DIM
     k_head_ptr = k_cache_ptr + kv_head_offset
@@ -230,6 +232,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS=config.heads,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        COMPUTE=kv_compute_dtype(q.dtype, kv_fp8), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

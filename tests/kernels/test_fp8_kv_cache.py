@@ -91,7 +91,7 @@ def test_decode_reads_an_fp8_cache(paged_batch, dtype, num_splits, num_heads, nu
     torch.testing.assert_close(out, ref, **FP8_READ_TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(4, 2, 64, 16), (8, 2, 64, 32)])
 def test_prefill_reads_an_fp8_cache(paged_batch, dtype, num_heads, num_kv_heads, head_dim, block_size) -> None:
     batch = _fp8_batch(paged_batch, [5, 40, 1, 70], [0, 17, 64, 3], dtype, num_heads=num_heads,
