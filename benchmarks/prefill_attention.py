@@ -13,6 +13,7 @@ CONFIGS runs on every case, so the table shows which tiling to make the default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -22,9 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 PEAK_TFLOPS = 787.0  # H200, bf16 dense
-# (block_m, block_n, num_warps, num_stages, heads a program)
-CONFIGS = [(128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 128, 8, 2, 1), (128, 128, 8, 3, 1), (64, 64, 4, 3, 2),
-           (64, 128, 8, 2, 2), (64, 64, 8, 3, 2), (128, 64, 8, 2, 2), (128, 32, 8, 3, 1), (64, 64, 4, 2, 1)]
+# (block_m, block_n, num_warps, num_stages, heads a program, K/V tiles by descriptor (TMA) or gathered by key)
+CONFIGS = [(128, 128, 8, 2, 1, False), (128, 64, 8, 2, 2, False), (64, 64, 4, 2, 1, False),
+           (128, 128, 8, 2, 1, True), (128, 128, 8, 3, 1, True), (128, 64, 8, 2, 1, True), (128, 64, 8, 2, 2, True),
+           (64, 128, 4, 2, 1, True), (64, 64, 4, 2, 1, True), (64, 64, 4, 3, 2, True), (128, 32, 8, 3, 1, True)]
 CASES = [(8192, 0), (32768, 0), (16384, 131072 - 16384)]  # (query_len, context_len)
 
 
@@ -51,7 +53,7 @@ def main() -> int:
     cases, configs = CASES, [] if args.default_only else CONFIGS
     if args.smoke:
         args.num_heads, args.num_kv_heads, args.head_dim, args.block_size = 4, 2, 32, 16
-        cases, configs = [(40, 0), (20, 30)], [(16, 16, 4, 2, 1), (16, 16, 4, 2, 2)]
+        cases, configs = [(40, 0), (20, 30)], [(16, 16, 4, 2, 1, False), (16, 16, 4, 2, 2, True)]
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype
     k_scale, v_scale = (0.05, 0.02) if args.kv_cache_dtype == "fp8" else (1.0, 1.0)
     group = args.num_heads // args.num_kv_heads
@@ -71,14 +73,20 @@ def main() -> int:
         flops = 4 * args.num_heads * args.head_dim * pairs
         default = default_prefill_config(args.head_dim, dtype)
         candidates = [("default", default)] + [
-            (f"{m}x{n} w{w} s{s} h{h}", PrefillConfig(m, n, w, s, heads=h)) for m, n, w, s, h in configs
-            if group % h == 0]
+            (f"{m}x{n} w{w} s{s} h{h} {'tma' if t else 'gather'}", PrefillConfig(m, n, w, s, heads=h, tma=t))
+            for m, n, w, s, h, t in configs if group % h == 0 and (not t or args.block_size % n == 0)]
+        if args.default_only:  # the default against the same tiling with every key's row gathered
+            candidates.append(("default, gathered", dataclasses.replace(default, tma=False)))
         reference = None
         for label, config in candidates:
             call = functools.partial(prefill_attention, q, k_cache, v_cache, tables, cu, lens,
                                      args.head_dim**-0.5, query_len, config=config, k_scale=k_scale,
                                      v_scale=v_scale)
-            out = call()
+            try:
+                out = call()
+            except triton.runtime.errors.OutOfResources as error:  # a tiling this GPU's shared memory cannot hold
+                print(f"{label}: skipped ({error})")
+                continue
             if reference is None:
                 reference = out
             else:  # every tiling computes the same attention
@@ -91,9 +99,9 @@ def main() -> int:
             rows.append(dict(query_len=query_len, context_len=context_len, config=label, ms=round(ms, 3),
                              tflops=round(tflops, 1), fraction_of_peak=round(tflops / PEAK_TFLOPS, 3)))
     print(f"KV cache {args.kv_cache_dtype}")
-    print(f"{'queries':>8}{'context':>9}  {'config':<22}{'ms':>9}{'TFLOP/s':>9}{'of peak':>9}")
+    print(f"{'queries':>8}{'context':>9}  {'config':<30}{'ms':>9}{'TFLOP/s':>9}{'of peak':>9}")
     for r in rows:
-        print(f"{r['query_len']:>8}{r['context_len']:>9}  {r['config']:<22}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
+        print(f"{r['query_len']:>8}{r['context_len']:>9}  {r['config']:<30}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
               f"{r['fraction_of_peak']:>9.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))

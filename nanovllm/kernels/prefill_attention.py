@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.fp8 import kv_compute_dtype
-from nanovllm.kernels.jit import jit_unspecialized
+from nanovllm.kernels.jit import INTERPRETED, jit_unspecialized
 
 LOG2E = math.log2(math.e)
 
@@ -35,6 +36,7 @@ def _attend_key_tiles(
     q,                           # [BLOCK_M, HEAD_DIM]
     positions,                   # [BLOCK_M] absolute position of each query
     k_cache_ptr, v_cache_ptr,    # already offset to this kv head
+    k_desc, v_desc, kv_column,   # with TMA: the caches' descriptors and this kv head's first column in them
     table_row,                   # block_tables_ptr offset to this request's row
     key_start, key_end,          # keys [key_start, key_end); key_start is a multiple of BLOCK_N
     scale_log2, cache_stride_block, cache_stride_token,
@@ -42,42 +44,53 @@ def _attend_key_tiles(
     CAUSAL_MASK: tl.constexpr,   # False: every key of every tile is visible to every query
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,        # the cache is e4m3: tiles are upcast to q's dtype (the products') as they load
+    TMA: tl.constexpr,           # tiles lie within one cache block and are copied whole by the descriptors
 ):
     dims = tl.arange(0, HEAD_DIM)
     for start in range(key_start, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        if CAUSAL_MASK:
-            key_mask = keys < key_end
-            block_ids = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+        key_mask = keys < key_end
+        if TMA:
+            block_id = tl.load(table_row + start // BLOCK_SIZE)
+            cache_row = block_id * BLOCK_SIZE + start % BLOCK_SIZE
+            k = tl.trans(k_desc.load([cache_row, kv_column]))  # [HEAD_DIM, BLOCK_N]
         else:
-            block_ids = tl.load(table_row + keys // BLOCK_SIZE).to(tl.int64)
-        # key_offsets: [BLOCK_N], element offset of each key's row in the cache
-        key_offsets = block_ids * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_token
-        if CAUSAL_MASK:
-            # k: [HEAD_DIM, BLOCK_N], loaded transposed for q @ k
-            k = tl.load(k_cache_ptr + key_offsets[None, :] + dims[:, None], mask=key_mask[None, :], other=0.0)
-        else:
-            k = tl.load(k_cache_ptr + key_offsets[None, :] + dims[:, None])
+            if CAUSAL_MASK:
+                block_ids = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+            else:
+                block_ids = tl.load(table_row + keys // BLOCK_SIZE).to(tl.int64)
+            # key_offsets: [BLOCK_N], element offset of each key's row in the cache
+            key_offsets = block_ids * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_token
+            if CAUSAL_MASK:
+                # k: [HEAD_DIM, BLOCK_N], loaded transposed for q @ k
+                k = tl.load(k_cache_ptr + key_offsets[None, :] + dims[:, None], mask=key_mask[None, :], other=0.0)
+            else:
+                k = tl.load(k_cache_ptr + key_offsets[None, :] + dims[:, None])
         if KV_FP8:
             k = k.to(q.dtype)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
         if CAUSAL_MASK:
             visible = (keys[None, :] <= positions[:, None]) & key_mask[None, :]
             scores = tl.where(visible, scores, float("-inf"))
-        # Key 0 is visible to every query row (padding rows too) and comes first, so m_i is finite
-        # after the first tile and a fully masked row in a later tile gives alpha = 1, p = 0.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # The scale (> 0) is applied to the row maxima and folded into the exponent's subtraction (one fused
+        # multiply-add a score). Key 0 is visible to every query row (padding rows too) and comes first, so m_i
+        # is finite after the first tile and a fully masked row in a later tile gives alpha = 1, p = 0.
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        p = tl.exp2(scores * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # v: [BLOCK_N, HEAD_DIM]
-        if CAUSAL_MASK:
+        if TMA:
+            v = v_desc.load([cache_row, kv_column])
+            if CAUSAL_MASK:  # rows past key_end hold whatever the block held: p is 0 there, but 0 * NaN is not
+                v = tl.where(key_mask[:, None], v, 0.0)
+        elif CAUSAL_MASK:
             v = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
         else:
             v = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :])
         if KV_FP8:
             v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -86,6 +99,7 @@ def _attend_key_tiles(
 def _prefill_attention_kernel(
     q_ptr,                       # [num_tokens, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,    # [num_blocks, block_size, num_kv_heads, head_dim] (contiguous)
+    k_desc, v_desc,              # with TMA: descriptors of the caches as [num_blocks * block_size, kv heads * head_dim]
     block_tables_ptr,            # [num_seqs, max_blocks] int32
     cu_seqlens_q_ptr,            # [num_seqs + 1] int32
     seq_lens_ptr,                # [num_seqs] int32, context_len + query_len
@@ -105,6 +119,7 @@ def _prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     COMPUTE: tl.constexpr,       # the products' dtype: q's, or float16 over an fp8 cache (fp8.kv_compute_dtype)
+    TMA: tl.constexpr,           # K/V tiles copied by the descriptors (BLOCK_SIZE a multiple of BLOCK_N), not gathered
 ):
     # The last query tiles see the most keys: they start first, so the lightest tiles fill the final wave.
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -130,7 +145,7 @@ def _prefill_attention_kernel(
     q = tl.load(q_ptr + tokens[:, None] * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
                 mask=row_mask[:, None], other=0.0).to(COMPUTE)
 
-    kv_head_offset = (head_group * HEADS // GROUP) * HEAD_DIM
+    kv_head_offset = (head_group * HEADS // GROUP) * HEAD_DIM  # also the head's first column in a descriptor
     k_head_ptr = k_cache_ptr + kv_head_offset
     v_head_ptr = v_cache_ptr + kv_head_offset
     table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
@@ -142,14 +157,16 @@ def _prefill_attention_kernel(
     unmasked_end = (first_position // BLOCK_N) * BLOCK_N
     key_end = tl.minimum(first_position + BLOCK_M, seq_len)
     acc, m_i, l_i = _attend_key_tiles(
-        acc, m_i, l_i, q, positions, k_head_ptr, v_head_ptr, table_row, 0, unmasked_end,
+        acc, m_i, l_i, q, positions, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_head_offset, table_row,
+        0, unmasked_end,
         scale_log2, cache_stride_block, cache_stride_token,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8, TMA,
     )
     acc, m_i, l_i = _attend_key_tiles(
-        acc, m_i, l_i, q, positions, k_head_ptr, v_head_ptr, table_row, unmasked_end, key_end,
+        acc, m_i, l_i, q, positions, k_head_ptr, v_head_ptr, k_desc, v_desc, kv_head_offset, table_row,
+        unmasked_end, key_end,
         scale_log2, cache_stride_block, cache_stride_token,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8, TMA,
     )
 
     out = acc / l_i[:, None]
@@ -168,6 +185,19 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     heads: int = 1    # query heads of a KV head per program (a divisor of the GQA group): one K/V load serves all
+    tma: bool | None = None  # K/V tiles copied by tensor descriptors; None: where the GPU has them (sm_90+)
+                             # and a cache block holds whole tiles. Otherwise each key's row is gathered.
+
+
+def uses_tma(config: PrefillConfig, block_size: int, device: torch.device) -> bool:
+    """Whether a launch copies K/V tiles by descriptor: asked for (the interpreter runs descriptors too, for the
+    tests) or left to the device, and possible only where every BLOCK_N-key tile lies inside one cache block."""
+    fits = block_size % config.block_n == 0
+    if config.tma is not None:
+        assert fits or not config.tma, f"TMA tiles of {config.block_n} keys need cache blocks of a multiple of them, " \
+                                       f"got {block_size}"
+        return config.tma
+    return fits and device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
@@ -224,14 +254,21 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert group % config.heads == 0 and config.heads & (config.heads - 1) == 0, \
         f"heads a program {config.heads} must be a power of two dividing the GQA group of {group}"
     grid = (triton.cdiv(max_query_len, config.block_m), num_heads // config.heads, num_seqs)
+    tma = uses_tma(config, block_size, q.device)
+    k_desc = v_desc = None
+    if tma:
+        # rows are (block, token) pairs and a kv head is head_dim columns: a tile is one box of BLOCK_N rows
+        shape, strides = [num_blocks * block_size, num_kv_heads * head_dim], [num_kv_heads * head_dim, 1]
+        k_desc, v_desc = (TensorDescriptor(cache, shape, strides, [config.block_n, head_dim])
+                          for cache in (k_cache, v_cache))
     _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, k_cache, v_cache, k_desc, v_desc, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS=config.heads,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        COMPUTE=kv_compute_dtype(q.dtype, kv_fp8), num_warps=config.num_warps, num_stages=config.num_stages,
+        COMPUTE=kv_compute_dtype(q.dtype, kv_fp8), TMA=tma, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -16,7 +16,7 @@ from nanovllm.attention.reference import (  # noqa: E402
     store_kvcache_ref,
 )
 from nanovllm.kernels.decode_attention import decode_attention, default_decode_config  # noqa: E402
-from nanovllm.kernels.prefill_attention import prefill_attention  # noqa: E402
+from nanovllm.kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 from nanovllm.kernels.rope_store import norm_rope_store  # noqa: E402
 from nanovllm.kernels.store_kvcache import store_kvcache  # noqa: E402
 from nanovllm.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -93,11 +93,14 @@ def test_decode_reads_an_fp8_cache(paged_batch, dtype, num_splits, num_heads, nu
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(4, 2, 64, 16), (8, 2, 64, 32)])
-def test_prefill_reads_an_fp8_cache(paged_batch, dtype, num_heads, num_kv_heads, head_dim, block_size) -> None:
+@pytest.mark.parametrize("config", [None, PrefillConfig(16, 16, 4, 2, tma=True)], ids=["default", "tma"])
+def test_prefill_reads_an_fp8_cache(paged_batch, dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                    config) -> None:
     batch = _fp8_batch(paged_batch, [5, 40, 1, 70], [0, 17, 64, 3], dtype, num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
     out = prefill_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.cu_seqlens_q,
-                            batch.seq_lens, 0.125, max(batch.query_lens), k_scale=K_SCALE, v_scale=V_SCALE)
+                            batch.seq_lens, 0.125, max(batch.query_lens), config=config, k_scale=K_SCALE,
+                            v_scale=V_SCALE)
     ref = prefill_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.cu_seqlens_q,
                                 batch.seq_lens, 0.125, K_SCALE, V_SCALE)
     assert out.dtype == dtype and ref.abs().max() > 10 * V_SCALE

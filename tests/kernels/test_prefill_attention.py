@@ -59,6 +59,30 @@ def test_other_tilings(paged_batch, tolerances, config) -> None:
     torch.testing.assert_close(out, ref, **tolerances[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", [PrefillConfig(16, 16, 4, 2, tma=True), PrefillConfig(16, 32, 4, 2, heads=2, tma=True),
+                                    PrefillConfig(32, 16, 4, 2, tma=True)])
+def test_tiles_copied_by_descriptor(paged_batch, tolerances, dtype, config) -> None:
+    """K/V tiles copied whole by tensor descriptors (what a Hopper GPU does where a cache block holds whole tiles).
+    The slots past each request's end in its last block are NaN: a tile copies them, and none may reach the output."""
+    block_size = 32
+    batch = _batch(paged_batch, [(1, 0), (5, 32), (40, 0), (33, 100), (17, 15), (9, 130)], num_heads=4,
+                   num_kv_heads=2, head_dim=32, block_size=block_size, dtype=dtype)
+    for row, seq_len in zip(batch.block_tables.tolist(), batch.seq_lens.tolist(), strict=True):
+        last_block = row[(seq_len - 1) // block_size]
+        for cache in (batch.k_cache, batch.v_cache):
+            cache[last_block, seq_len % block_size or block_size:] = float("nan")
+    out, ref = _run(batch, 0.2, config=config)
+    torch.testing.assert_close(out, ref, **tolerances[dtype])
+
+
+def test_descriptor_tiles_need_blocks_of_whole_tiles(paged_batch) -> None:
+    batch = _batch(paged_batch, [(3, 0)], num_heads=2, num_kv_heads=1, head_dim=32, block_size=16,
+                   dtype=torch.float32)
+    with pytest.raises(AssertionError, match="multiple"):
+        _run(batch, 0.1, config=PrefillConfig(16, 32, 4, 2, tma=True))
+
+
 def test_strided_q_and_out_view(paged_batch, tolerances) -> None:
     num_heads, num_kv_heads, head_dim = 4, 2, 64
     batch = _batch(paged_batch, [(3, 20), (40, 0)], num_heads=num_heads, num_kv_heads=num_kv_heads,
