@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 PEAK_TFLOPS = 787.0  # H200, bf16 dense
 # (block_m, block_n, num_warps, num_stages, heads a program, K/V tiles by descriptor (TMA) or gathered by key)
-CONFIGS = [(128, 128, 8, 2, 1, False), (128, 64, 8, 2, 2, False), (64, 64, 4, 2, 1, False),
-           (128, 128, 8, 2, 1, True), (128, 128, 8, 3, 1, True), (128, 64, 8, 2, 1, True), (128, 64, 8, 2, 2, True),
-           (64, 128, 4, 2, 1, True), (64, 64, 4, 2, 1, True), (64, 64, 4, 3, 2, True), (128, 32, 8, 3, 1, True)]
+CONFIGS = [(128, 128, 8, 2, 1, False), (128, 128, 8, 2, 1, True), (64, 64, 4, 2, 1, True), (64, 64, 4, 3, 1, True),
+           (64, 64, 4, 2, 2, True), (64, 64, 4, 3, 2, True), (64, 64, 4, 4, 2, True), (64, 64, 8, 3, 2, True),
+           (64, 128, 4, 3, 2, True), (128, 64, 8, 3, 2, True), (64, 64, 4, 3, 4, True), (32, 64, 4, 3, 4, True)]
 CASES = [(8192, 0), (32768, 0), (16384, 131072 - 16384)]  # (query_len, context_len)
 
 
@@ -71,7 +71,7 @@ def main() -> int:
         lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
         pairs = query_len * context_len + query_len * (query_len + 1) / 2
         flops = 4 * args.num_heads * args.head_dim * pairs
-        default = default_prefill_config(args.head_dim, dtype)
+        default = default_prefill_config(args.head_dim, dtype, group, args.block_size, q.device)
         candidates = [("default", default)] + [
             (f"{m}x{n} w{w} s{s} h{h} {'tma' if t else 'gather'}", PrefillConfig(m, n, w, s, heads=h, tma=t))
             for m, n, w, s, h, t in configs if group % h == 0 and (not t or args.block_size % n == 0)]

@@ -200,14 +200,21 @@ def uses_tma(config: PrefillConfig, block_size: int, device: torch.device) -> bo
     return fits and device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """A 32 KiB query tile and two stages of 32 KiB K and V tiles: ~160 KiB of shared memory
-    (16-bit head_dim 128: 128 queries x 128 keys, the best of the H200 sweep in docs/benchmarks.md; larger rows
-    shrink the tiles)."""
+def default_prefill_config(head_dim: int, dtype: torch.dtype, group: int, block_size: int,
+                           device: torch.device) -> PrefillConfig:
+    """Where K/V tiles can be copied by descriptor: 16 KiB tiles (16-bit head_dim 128: 64 queries x 64 keys), three
+    stages and two query heads sharing each K/V tile, the best of the H100 sweep in docs/benchmarks.md. Otherwise a
+    32 KiB query tile and two stages of 32 KiB gathered K and V tiles, the best gathered tiling. Larger rows shrink
+    the tiles."""
     row_bytes = head_dim * dtype.itemsize
+    tile = min(64, max(16, 16384 // row_bytes))
+    copied = PrefillConfig(block_m=tile, block_n=tile, num_warps=4, num_stages=3, heads=2 if group % 2 == 0 else 1)
+    if uses_tma(copied, block_size, device):
+        return copied
     block_m = min(128, max(32, 32768 // row_bytes))
     block_n = min(128, max(16, 32768 // row_bytes))
-    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=8 if block_m == 128 else 4, num_stages=2)
+    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=8 if block_m == 128 else 4, num_stages=2,
+                         tma=False)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -249,8 +256,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if num_seqs == 0 or max_query_len <= 0:
         return out
 
-    config = config or default_prefill_config(head_dim, q.dtype)
     group = num_heads // num_kv_heads
+    config = config or default_prefill_config(head_dim, q.dtype, group, block_size, q.device)
     assert group % config.heads == 0 and config.heads & (config.heads - 1) == 0, \
         f"heads a program {config.heads} must be a power of two dividing the GQA group of {group}"
     grid = (triton.cdiv(max_query_len, config.block_m), num_heads // config.heads, num_seqs)
