@@ -1,15 +1,17 @@
 """Long prompts: prefill TFLOP/s and decode milliseconds a step against their floors.
 
 For each prompt length and batch size: one call with max_tokens=1 times the prefill (every prompt at once,
-chunked by the step budget), a second with max_tokens=1+S adds S decode steps; a decode step is the difference
-over S. Random weights from a config.json (Qwen3-0.6B shape by default), random token ids, prefix caching off.
+chunked by the step budget), a second with max_tokens=1+S adds S decode steps; a decode step is the mean wall time
+of that call's decode-only steps (those with no prompt tokens; the first requests' first decodes ride in the later
+prompts' chunks), so the two calls' prefill spread does not land in it. Random weights from a config.json (Qwen3-0.6B shape by default), random token ids, prefix caching off.
 Prompts past the model's window get YaRN (factor 4 over the config's max_position_embeddings or
 original_max_position_embeddings), as Qwen3's model cards describe for 128k contexts.
 
     python benchmarks/long_context.py --prompt-lens 8192 32768 131000 --batches 1 8 --out results/long_context.json
 
 Floors: prefill = (matmul + causal attention FLOPs) / the bf16 peak; decode = (weights + every request's K/V)
-bytes / the copy bandwidth.
+bytes / the copy bandwidth: the H200's recorded 4.25 TB/s (the issues' figure) and, on CUDA, the copy bandwidth
+measured on this card in the same run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.decode_attention import copy_bandwidth_tbps  # noqa: E402
+from benchmarks.throughput import StepTimer  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,6 +91,19 @@ def timed_generate(llm: LLM, prompts, max_tokens: int) -> float:
     return seconds
 
 
+def measured_copy_bandwidth() -> float | None:
+    """This card's device-to-device copy (read + write) in bytes/s; None off CUDA."""
+    import torch
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        return None
+    tbps = copy_bandwidth_tbps(lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"),
+                               "cuda")
+    torch.cuda.empty_cache()
+    return tbps * 1e12
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a folder with config.json (random weights)")
@@ -104,6 +121,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/long_context.json")
     args = parser.parse_args()
 
+    card_copy = measured_copy_bandwidth()  # before the engine takes the card's memory
     longest = max(args.prompt_lens) + args.decode_steps + 1
     model = yarn_model(args.model, longest)
     try:
@@ -127,25 +145,35 @@ def main() -> None:
                 continue
             prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
             prefill = timed_generate(llm, prompts, 1)
-            with_decode = timed_generate(llm, prompts, 1 + args.decode_steps)
-            step = max(with_decode - prefill, 0.0) / args.decode_steps
+            steps = StepTimer(llm)
+            timed_generate(llm, prompts, 1 + args.decode_steps)
+            steps.close()
+            decode_steps, decode_seconds = steps.totals["decode"]
+            step = decode_seconds / max(decode_steps, 1)
             flops = prefill_flops(shape, prompt_len, batch)
             mean_context = prompt_len + 1 + args.decode_steps / 2
-            decode_floor = (shape["read_bytes"] + batch * mean_context * shape["kv_bytes"]) / COPY_BANDWIDTH
+            decode_bytes = shape["read_bytes"] + batch * mean_context * shape["kv_bytes"]
+            decode_floor = decode_bytes / COPY_BANDWIDTH
+            card_floor = decode_bytes / card_copy if card_copy else None
             rows.append(dict(prompt_len=prompt_len, batch=batch, prefill_seconds=round(prefill, 4),
                              prefill_tflops=round(flops / prefill / 1e12, 1),
                              fraction_of_peak=round(flops / prefill / PEAK_FLOPS, 3),
                              decode_ms=round(1e3 * step, 3), decode_floor_ms=round(1e3 * decode_floor, 3),
                              decode_over_floor=round(step / decode_floor, 2) if decode_floor else None,
+                             decode_steps_timed=decode_steps,
+                             card_copy_tbps=round(card_copy / 1e12, 2) if card_copy else None,
+                             card_floor_ms=round(1e3 * card_floor, 3) if card_floor else None,
+                             decode_over_card_floor=round(step / card_floor, 2) if card_floor else None,
                              max_num_batched_tokens=args.max_num_batched_tokens, decode_steps=args.decode_steps,
                              enforce_eager=args.enforce_eager))
 
     print(f"{'prompt':>8}{'batch':>6}{'prefill s':>11}{'TFLOP/s':>9}{'of peak':>9}{'decode ms':>11}"
-          f"{'floor ms':>10}{'x floor':>9}")
+          f"{'floor ms':>10}{'x floor':>9}{'card floor':>12}{'x card':>8}")
     for r in rows:
         print(f"{r['prompt_len']:>8}{r['batch']:>6}{r['prefill_seconds']:>11.3f}{r['prefill_tflops']:>9.1f}"
               f"{r['fraction_of_peak']:>9.2f}{r['decode_ms']:>11.3f}{r['decode_floor_ms']:>10.3f}"
-              f"{r['decode_over_floor']:>9.2f}")
+              f"{r['decode_over_floor']:>9.2f}{r['card_floor_ms'] or float('nan'):>12.3f}"
+              f"{r['decode_over_card_floor'] or float('nan'):>8.2f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=2)
