@@ -147,3 +147,20 @@ def test_gpu_block_ids_past_int32_offsets(paged_batch, tolerances) -> None:
     assert int(batch.block_tables.max()) * 256 * 8 * 128 >= 2**31  # past int32
     out, ref = _run(batch, 128**-0.5)
     torch.testing.assert_close(out, ref, **tolerances[torch.bfloat16])
+
+
+def test_default_config_by_copy_path(monkeypatch) -> None:
+    """Gathered 32 KiB tiles where descriptors do not apply; 16 KiB tiles, three stages and two heads a program
+    (one for an odd GQA group) where they do."""
+    from nanovllm.kernels import prefill_attention as module
+
+    cpu = torch.device("cpu")
+    gathered = module.default_prefill_config(128, torch.bfloat16, 2, 256, cpu)
+    assert (gathered.block_m, gathered.block_n, gathered.num_warps, gathered.num_stages, gathered.heads,
+            gathered.tma) == (128, 128, 8, 2, 1, False)
+    monkeypatch.setattr(module, "uses_tma", lambda config, block_size, device: block_size % config.block_n == 0)
+    copied = module.default_prefill_config(128, torch.bfloat16, 2, 256, cpu)
+    assert (copied.block_m, copied.block_n, copied.num_warps, copied.num_stages, copied.heads) == (64, 64, 4, 3, 2)
+    assert module.default_prefill_config(128, torch.bfloat16, 7, 256, cpu).heads == 1
+    assert module.default_prefill_config(256, torch.bfloat16, 4, 256, cpu).block_n == 32  # 512-byte rows
+    assert module.default_prefill_config(128, torch.bfloat16, 2, 16, cpu).tma is False  # blocks under a tile
