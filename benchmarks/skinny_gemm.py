@@ -2,7 +2,8 @@
 
 Each measurement is a CUDA graph of one product per layer over --layers distinct weights (as a decode step
 reads them: none is in L2 when its turn comes), replayed; the figure is microseconds per product and the
-weight bytes read per second. --sweep tries tile configurations besides the default and reports the best.
+weight bytes read per second, with the default tiling and with it reading no weight before its wait on the
+kernel before (prefetch_k=0). --sweep tries tile configurations besides the default and reports the best.
 --fp8 compares, for quantization="fp8" (e4m3 weights, a scale per output row), the bf16 product the engine
 would run against: the activations quantized by torch ops or by the one-kernel quantizer, then
 torch._scaled_mm; and for up to 16 rows the few-row GEMM over the e4m3 weight with e4m3 or bf16 activations.
@@ -15,6 +16,7 @@ torch._scaled_mm; and for up to 16 rows the few-row GEMM over the e4m3 weight wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -167,7 +169,9 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             expect = library(x, weights[0], gated)
-            configs = [default_config(n, k, device)]
+            configs = [default_config(n, k, device, gated)]
+            # the default without its weight read before the wait on the kernel before (prefetch_k=0)
+            configs.append(dataclasses.replace(configs[0], prefetch_k=0))
             if args.sweep:
                 base = configs[0].split_k
                 for block_n, block_k, split, stages, warps in itertools.product(
@@ -187,13 +191,15 @@ def main() -> None:
                     best = (us, config)
                 if config is configs[0]:
                     default_us = us
+                if config is configs[1]:
+                    no_prefetch_us = us
             row = dict(shape=name, n=n, k=k, gated=gated, rows=m, library_us=round(lib_us, 2),
-                       skinny_us=round(default_us, 2), library_tbps=round(nbytes / lib_us / 1e6, 2),
+                       skinny_us=round(default_us, 2), no_prefetch_us=round(no_prefetch_us, 2), library_tbps=round(nbytes / lib_us / 1e6, 2),
                        skinny_tbps=round(nbytes / default_us / 1e6, 2), best_us=round(best[0], 2),
                        best_config=best[1].__dict__)
             results.append(row)
             print(f"{name:<13} m={m:<3} library {lib_us:7.2f} us ({row['library_tbps']:.2f} TB/s)  skinny "
-                  f"{default_us:7.2f} us ({row['skinny_tbps']:.2f} TB/s)  best {best[0]:7.2f} us {best[1]}",
+                  f"{default_us:7.2f} us ({row['skinny_tbps']:.2f} TB/s)  no prefetch {no_prefetch_us:7.2f}  best {best[0]:7.2f} us {best[1]}",
                   flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -9,6 +9,10 @@ partial, takes a ticket from its column block's counter, and the last to arrive 
 for the next call. The counters live as long as the process (zeros, reset by each call), so CUDA graphs replay
 the kernel as they captured it.
 
+Launched overlapped with the kernel before it (kernels/jit.py), a program reads the head of its slice of W
+before it waits on that kernel: the weight is no product of it, so the read runs under that kernel's tail and
+only x waits.
+
 Gated (SwiGLU's gate_up projection packed as [gate | up] rows of W): each program reads the gate and the up rows
 of its columns and stores silu(gate) * up, so the activation never makes a round trip through memory.
 
@@ -60,9 +64,9 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    HEAD_K: tl.constexpr,  # K elements of the program's W slice read before waiting on the kernel before (0: none)
     OVERLAP: tl.constexpr,
 ):
-    wait_for_prior_kernel(OVERLAP)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -70,13 +74,32 @@ def _skinny_gemm_kernel(
     row_mask = rows < M
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
-
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K  # W^T's columns: a [BLOCK_K, BLOCK_N] tile loads W's rows
-    for k in range(k_start, k_end, BLOCK_K):
+
+    # The weight does not depend on the kernel before: an overlapped launch reads the head of its slice while
+    # that kernel still runs, and only x waits.
+    if HEAD_K > 0:
+        head_ks = k_start + tl.arange(0, HEAD_K)
+        head_k_mask = head_ks < k_end
+        head_mask = head_k_mask[:, None] & col_mask[None, :]
+        w_head = tl.load(w_cols + head_ks[:, None], mask=head_mask, other=0.0)
+        if GATED:
+            w_up_head = tl.load(w_cols + N * K + head_ks[:, None], mask=head_mask, other=0.0)
+    wait_for_prior_kernel(OVERLAP)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if HEAD_K > 0:
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + head_ks[None, :],
+                    mask=row_mask[:, None] & head_k_mask[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+        acc += tl.dot(x, _as_operand(w_head, x, UPCAST))
+        if GATED:
+            acc_up += tl.dot(x, _as_operand(w_up_head, x, UPCAST))
+    for k in range(k_start + HEAD_K, k_end, BLOCK_K):
         k_mask = (k + ks) < k_end
         x = tl.load(x_ptr + rows[:, None] * stride_xm + (k + ks)[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -159,6 +182,30 @@ class SkinnyConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # K elements of each program's slice of W read before the kernel waits on the one before it (a power of two
+    # and a multiple of block_k); None: as much of the slice as PREFETCH_BYTES holds, 0: none
+    prefetch_k: int | None = None
+
+
+# what a program reads of W before its wait: registers it holds until x arrives
+PREFETCH_BYTES = 32 << 10
+
+
+def prefetch_k(config: SkinnyConfig, k_per_split: int, gated: bool, weight_bytes: int) -> int:
+    """The head of each program's slice read before the wait: config.prefetch_k, or the largest power-of-two
+    multiple of block_k within both the slice and PREFETCH_BYTES."""
+    if config.prefetch_k is not None:
+        head = config.prefetch_k
+        assert head == 0 or (head % config.block_k == 0 and head & (head - 1) == 0), (
+            f"prefetch_k is 0 or a power-of-two multiple of block_k ({config.block_k}), got {head}")
+        return head
+    limit = min(k_per_split, PREFETCH_BYTES // (config.block_n * weight_bytes * (2 if gated else 1)))
+    if limit < config.block_k:
+        return 0
+    head = config.block_k
+    while head * 2 <= limit:
+        head *= 2
+    return head
 
 
 def default_config(n: int, k: int, device: torch.device, gated: bool = False, weight_bytes: int = 2) -> SkinnyConfig:
@@ -231,7 +278,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out if x_scale is None else x_scale.reshape(-1), out, partial, counters, m, n, k, x.stride(0),
         out.stride(0), k_per_split, HAS_BIAS=bias is not None, GATED=gated, W_SCALED=weight_scale is not None,
         X_SCALED=x_scale is not None, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED, num_warps=config.num_warps,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED,
+        HEAD_K=prefetch_k(config, k_per_split, gated, weight.element_size()), num_warps=config.num_warps,
         num_stages=config.num_stages, **overlap_options(x.device),
     )
     return out

@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it: on CUDA our Triton kernel
+(kernels/rms_norm.py, whose launch overlaps its neighbours'), elsewhere or for other layouts the ops below."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if x.is_cuda:
+            from nanovllm.kernels import rms_norm as kernel  # Triton only on CUDA
+            if kernel.fits(x, self.weight, residual):
+                return kernel.add_rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._rms_norm(x, self.weight, self.eps)
         return self._add_rms_norm(x, residual, self.weight, self.eps)

@@ -109,3 +109,29 @@ def test_fits_takes_e4m3_weights_and_activations():
     assert fits(torch.zeros(4, 32, dtype=torch.bfloat16), weight)
     assert fits(torch.zeros(4, 32, dtype=fp8), weight)
     assert not fits(torch.zeros(4, 32, dtype=fp8), torch.zeros(8, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("prefetch", [0, 64, 128, 256, None])
+def test_the_weight_read_before_the_wait_gives_the_same_product(gated, prefetch):
+    torch.manual_seed(7)
+    n, k = 80, 448  # splits of 192 keys: a head of 128 leaves one tile to the loop, of 256 covers past the split
+    x = torch.randn(5, k, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.randn(2 * n if gated else n, k, dtype=torch.bfloat16, device=DEVICE) / k ** 0.5
+    config = SkinnyConfig(block_n=32, block_k=64, split_k=3, num_stages=2, prefetch_k=prefetch)
+    torch.testing.assert_close(skinny_linear(x, weight, gated=gated, config=config),
+                               reference(x, weight, gated=gated), rtol=2e-2, atol=2e-2)
+
+
+def test_the_head_read_before_the_wait_fits_its_budget():
+    from nanovllm.kernels.skinny_gemm import PREFETCH_BYTES, prefetch_k
+    config = SkinnyConfig(block_n=32, block_k=128, split_k=2)
+    assert prefetch_k(config, 512, gated=False, weight_bytes=2) == 512  # the whole slice: 32 KiB
+    assert prefetch_k(config, 384, gated=False, weight_bytes=2) == 256  # a power of two within the slice
+    assert prefetch_k(config, 1024, gated=False, weight_bytes=2) == 512  # capped by the budget
+    assert prefetch_k(config, 1024, gated=True, weight_bytes=2) == 256  # gate and up rows both
+    assert prefetch_k(config, 1024, gated=False, weight_bytes=1) == 1024  # e4m3: half the bytes
+    assert prefetch_k(config, 64, gated=False, weight_bytes=2) == 0  # less than one tile
+    assert 512 * 32 * 2 == PREFETCH_BYTES
+    with pytest.raises(AssertionError, match="power-of-two multiple"):
+        prefetch_k(SkinnyConfig(32, 128, 2, prefetch_k=192), 512, gated=False, weight_bytes=2)

@@ -1,0 +1,76 @@
+"""RMSNorm, optionally after the residual add before it, as one Triton kernel with an overlapped launch (CUDA).
+
+torch.compile fuses the same ops into one kernel, but that kernel cannot overlap its launch with its neighbours
+(kernels/jit.py): in a decode step every other kernel of a layer is ours and overlapped, and the few-row GEMM
+after each norm reads its weight while the norm still runs (kernels/skinny_gemm.py). One program per row;
+the statistics in float32, rounded as layers/norm.py's rms_norm rounds them::
+
+    s = x + residual                        (in x's dtype; stored as the new residual)
+    out = weight * (s * rsqrt(mean(s^2) + eps)).to(x's dtype)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.jit import overlap_options, wait_for_prior_kernel
+
+# the widest row one program holds (Llama-3-70B's hidden size is 8,192)
+MAX_HIDDEN = 16384
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr,        # [rows, N], unit stride on N; residual read only when HAS_RESIDUAL
+    weight_ptr,                 # [N]
+    out_ptr, residual_out_ptr,  # [rows, N] contiguous; residual_out written only when HAS_RESIDUAL
+    stride_x, stride_residual,
+    N, eps,
+    BLOCK: tl.constexpr,        # next power of two >= N
+    HAS_RESIDUAL: tl.constexpr,
+    OVERLAP: tl.constexpr,
+):
+    wait_for_prior_kernel(OVERLAP)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * N + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether add_rms_norm takes these: rows [rows, N <= MAX_HIDDEN] with unit stride on N, a [N] weight, and a
+    residual of x's shape and dtype (on CUDA, or any device under the Triton interpreter)."""
+    return (x.dim() == 2 and x.stride(-1) == 1 and 0 < x.shape[1] <= MAX_HIDDEN
+            and weight.shape == (x.shape[1],) and weight.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1)))
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """rms_norm(x) or, with a residual, (rms_norm(x + residual), x + residual), as layers/norm.py computes them.
+    The result's dtype is that of weight * x (torch's promotion). No host sync: safe inside a CUDA graph."""
+    assert fits(x, weight, residual), (f"add_rms_norm takes rows of at most {MAX_HIDDEN} with a matching "
+                                       f"weight, got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    if rows:
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out, summed if summed is not None else out,
+            x.stride(0), residual.stride(0) if residual is not None else 0, n, eps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(max(block // 256, 1), 8),
+            **overlap_options(x.device),
+        )
+    return out if residual is None else (out, summed)
