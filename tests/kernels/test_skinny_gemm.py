@@ -126,12 +126,12 @@ def test_the_weight_read_before_the_wait_gives_the_same_product(gated, prefetch)
 def test_the_head_read_before_the_wait_fits_its_budget():
     from nanovllm.kernels.skinny_gemm import PREFETCH_BYTES, prefetch_k
     config = SkinnyConfig(block_n=32, block_k=128, split_k=2)
-    assert prefetch_k(config, 512, gated=False, weight_bytes=2) == 512  # the whole slice: 32 KiB
-    assert prefetch_k(config, 384, gated=False, weight_bytes=2) == 256  # a power of two within the slice
-    assert prefetch_k(config, 1024, gated=False, weight_bytes=2) == 512  # capped by the budget
-    assert prefetch_k(config, 1024, gated=True, weight_bytes=2) == 256  # gate and up rows both
-    assert prefetch_k(config, 1024, gated=False, weight_bytes=1) == 1024  # e4m3: half the bytes
-    assert prefetch_k(config, 64, gated=False, weight_bytes=2) == 0  # less than one tile
+    assert prefetch_k(config, 512, gated=False) == 512  # the whole slice: 32 KiB
+    assert prefetch_k(config, 384, gated=False) == 256  # a power of two within the slice
+    assert prefetch_k(config, 1024, gated=False) == 512  # capped by the budget
+    assert prefetch_k(config, 1024, gated=True) == 256  # gate and up rows both
+    assert prefetch_k(SkinnyConfig(32, 256, 2), 1024, gated=False) == 512  # e4m3 tiles count as upcast
+    assert prefetch_k(config, 64, gated=False) == 0  # less than one tile
     assert 512 * 32 * 2 == PREFETCH_BYTES
     with pytest.raises(AssertionError, match="power-of-two multiple"):
-        prefetch_k(SkinnyConfig(32, 128, 2, prefetch_k=192), 512, gated=False, weight_bytes=2)
+        prefetch_k(SkinnyConfig(32, 128, 2, prefetch_k=192), 512, gated=False)
