@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.jit import overlap_options, wait_for_prior_kernel
+from nanovllm.kernels.skinny_gemm import MAX_ROWS
 
 # the widest row one program holds (Llama-3-70B's hidden size is 8,192)
 MAX_HIDDEN = 16384
@@ -55,6 +56,13 @@ def fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = 
             and weight.shape == (x.shape[1],) and weight.is_contiguous()
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                       and residual.stride(-1) == 1)))
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether a layer should norm these rows here: CUDA rows that fit, as few as a decode step's (<= MAX_ROWS),
+    where the few-row GEMM after the norm overlaps it. Larger steps keep torch.compile's kernel: there nothing
+    overlaps, and in prefill steps it was the faster (docs/benchmarks.md)."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and fits(x, weight, residual)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

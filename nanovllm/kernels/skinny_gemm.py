@@ -92,13 +92,14 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if HEAD_K > 0:
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + head_ks[None, :],
-                    mask=row_mask[:, None] & head_k_mask[None, :], other=0.0)
+        # its own names: the loop below may not carry a variable whose shape changes
+        x_head = tl.load(x_ptr + rows[:, None] * stride_xm + head_ks[None, :],
+                         mask=row_mask[:, None] & head_k_mask[None, :], other=0.0)
         if UPCAST:
-            x = x.to(tl.float32)
-        acc += tl.dot(x, _as_operand(w_head, x, UPCAST))
+            x_head = x_head.to(tl.float32)
+        acc += tl.dot(x_head, _as_operand(w_head, x_head, UPCAST))
         if GATED:
-            acc_up += tl.dot(x, _as_operand(w_up_head, x, UPCAST))
+            acc_up += tl.dot(x_head, _as_operand(w_up_head, x_head, UPCAST))
     for k in range(k_start + HEAD_K, k_end, BLOCK_K):
         k_mask = (k + ks) < k_end
         x = tl.load(x_ptr + rows[:, None] * stride_xm + (k + ks)[None, :],

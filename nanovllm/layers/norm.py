@@ -1,5 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it: on CUDA our Triton kernel
-(kernels/rms_norm.py, whose launch overlaps its neighbours'), elsewhere or for other layouts the ops below."""
+"""RMSNorm, optionally fused with the residual add that precedes it: for a decode step's few CUDA rows our Triton
+kernel (kernels/rms_norm.py, whose launch overlaps its neighbours'), for anything else the ops below."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
         if x.is_cuda:
             from nanovllm.kernels import rms_norm as kernel  # Triton only on CUDA
-            if kernel.fits(x, self.weight, residual):
+            if kernel.takes(x, self.weight, residual):
                 return kernel.add_rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._rms_norm(x, self.weight, self.eps)

@@ -50,14 +50,15 @@ def test_no_rows_and_the_layers_it_does_not_take():
     assert not kernel.fits(torch.zeros(32, 2).t(), weight)  # no unit stride on the row
     assert not kernel.fits(torch.zeros(2, 32), weight, torch.zeros(2, 32, dtype=torch.float16))
     assert not kernel.fits(torch.zeros(2, kernel.MAX_HIDDEN + 1), torch.ones(kernel.MAX_HIDDEN + 1))
+    assert not kernel.takes(torch.zeros(2, 32), weight)  # CPU rows: the ops (or the CPU's own layers)
     with pytest.raises(AssertionError, match="rows of at most"):
         kernel.add_rms_norm(torch.zeros(2, 3, 32), weight, 1e-6)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 8, 300])
-def test_the_layer_takes_the_kernel_on_the_gpu(rows):
+@pytest.mark.parametrize("rows", [1, 8, 16, 300])
+def test_the_layer_takes_the_kernel_for_few_rows_on_the_gpu(rows):
     torch.manual_seed(rows)
     norm = RMSNorm(1024).to(device="cuda", dtype=torch.bfloat16)
     norm.weight.data.normal_(1, 0.1)
@@ -68,3 +69,4 @@ def test_the_layer_takes_the_kernel_on_the_gpu(rows):
     assert torch.equal(summed, want_sum)
     torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
     assert kernel.fits(x, norm.weight, residual)
+    assert kernel.takes(x, norm.weight, residual) == (rows <= 16)  # a prefill's rows keep the compiled ops
