@@ -191,16 +191,21 @@ class SkinnyConfig:
 # what a program reads of W before its wait, counted as 16-bit values (an e4m3 tile is upcast for the product):
 # registers it holds until x arrives
 PREFETCH_BYTES = 32 << 10
+# the read before the wait paid for weights up to this size and not beyond (docs/benchmarks.md, 2026-12-07)
+PREFETCH_MAX_WEIGHT_BYTES = 8 << 20
 
 
-def prefetch_k(config: SkinnyConfig, k_per_split: int, gated: bool) -> int:
-    """The head of each program's slice read before the wait: config.prefetch_k, or the largest power-of-two
-    multiple of block_k within both the slice and PREFETCH_BYTES."""
+def prefetch_k(config: SkinnyConfig, k_per_split: int, gated: bool, weight_bytes: int = 0) -> int:
+    """The head of each program's slice read before the wait: config.prefetch_k; else none for a weight of more
+    than PREFETCH_MAX_WEIGHT_BYTES (weight_bytes in all), or the largest power-of-two multiple of block_k within
+    both the slice and PREFETCH_BYTES."""
     if config.prefetch_k is not None:
         head = config.prefetch_k
         assert head == 0 or (head % config.block_k == 0 and head & (head - 1) == 0), (
             f"prefetch_k is 0 or a power-of-two multiple of block_k ({config.block_k}), got {head}")
         return head
+    if weight_bytes > PREFETCH_MAX_WEIGHT_BYTES:
+        return 0
     limit = min(k_per_split, PREFETCH_BYTES // (config.block_n * 2 * (2 if gated else 1)))
     if limit < config.block_k:
         return 0
@@ -281,7 +286,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out.stride(0), k_per_split, HAS_BIAS=bias is not None, GATED=gated, W_SCALED=weight_scale is not None,
         X_SCALED=x_scale is not None, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED,
-        HEAD_K=prefetch_k(config, k_per_split, gated), num_warps=config.num_warps,
+        HEAD_K=prefetch_k(config, k_per_split, gated, weight.numel() * weight.element_size()), num_warps=config.num_warps,
         num_stages=config.num_stages, **overlap_options(x.device),
     )
     return out

@@ -132,6 +132,8 @@ def test_the_head_read_before_the_wait_fits_its_budget():
     assert prefetch_k(config, 1024, gated=True) == 256  # gate and up rows both
     assert prefetch_k(SkinnyConfig(32, 256, 2), 1024, gated=False) == 512  # e4m3 tiles count as upcast
     assert prefetch_k(config, 64, gated=False) == 0  # less than one tile
+    assert prefetch_k(config, 512, gated=False, weight_bytes=8 << 20) == 512
+    assert prefetch_k(config, 512, gated=False, weight_bytes=(8 << 20) + 1) == 0  # a large weight reads none
     assert 512 * 32 * 2 == PREFETCH_BYTES
     with pytest.raises(AssertionError, match="power-of-two multiple"):
         prefetch_k(SkinnyConfig(32, 128, 2, prefetch_k=192), 512, gated=False)
