@@ -1,10 +1,11 @@
-"""Compile the decode path's Triton kernels for Hopper (sm_90) on a machine without a GPU: Triton's compiler runs on
+"""Compile the engine's Triton kernels for Hopper (sm_90) on a machine without a GPU: Triton's compiler runs on
 the CPU down to a cubin, and it checks what the interpreter lets pass (a loop-carried variable changing shape,
 a global it cannot read). Run as a module, without TRITON_INTERPRET (test_compile_for_hopper.py does): one line
 per kernel configuration, exit status 1 if any failed.
 
 The configurations are the launchers' own for the Qwen3-0.6B shape (and an fp8 variant of each kernel that has
-one); a pointer's element type is named per argument, other arguments are int32 unless they are scales.
+one); a pointer's element type is named per argument, other arguments are int32 unless they are scales. Not here
+yet: the fused MoE and block-scaled fp8 GEMM kernels.
 """
 
 from __future__ import annotations
@@ -17,10 +18,28 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nanovllm.kernels import decode_attention, prefill_attention, rms_norm, rope_store, skinny_gemm
+from nanovllm.kernels import (
+    decode_attention,
+    prefill_attention,
+    rms_norm,
+    rope_store,
+    sampling,
+    skinny_gemm,
+    store_kvcache,
+)
+from nanovllm.kernels.fp8 import _quantize_rows_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"eps", "scale_log2", "v_scale", "k_inv_scale", "v_inv_scale"}
+
+
+def sampling_cases():
+    yield ("sampling: chunk argmax (Gumbel)", sampling._chunk_argmax_kernel,
+           dict(logits_ptr="*fp32", temperatures_ptr="*fp32", seeds_ptr="*i64", scores_ptr="*fp32", ids_ptr="*i32"),
+           dict(BLOCK=1024, FAST_LOG=True), dict(num_warps=4))
+    yield ("sampling: chunks reduced", sampling._reduce_chunks_kernel,
+           dict(scores_ptr="*fp32", ids_ptr="*i32", out_ptr="*i64", best_score_ptr="*fp32"),
+           dict(BLOCK_CHUNKS=sampling._REDUCE_BLOCK), dict(num_warps=4))
 
 
 def compile_for_hopper(fn, pointers: dict[str, str], constexprs: dict, **options):
@@ -93,6 +112,13 @@ def cases():
             options = dict(num_warps=8, num_stages=2)
         yield f"prefill, {cache} cache, tma {tma}", prefill_attention._prefill_attention_kernel, pointers, constexprs, \
             options
+    for cache in ("*bf16", "*fp8e4nv"):
+        yield (f"store_kvcache, {cache} cache", store_kvcache._store_kvcache_kernel,
+               dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="*i64"),
+               dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=cache != "*bf16"), dict(num_warps=4))
+    yield ("fp8 rows quantized", _quantize_rows_kernel, dict(x_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"),
+           dict(BLOCK=1024), dict(num_warps=4))
+    yield from sampling_cases()
     yield ("decode reduce", decode_attention._decode_reduce_kernel,
            dict(partial_max_ptr="*fp32", partial_sum_ptr="*fp32", partial_acc_ptr="*fp32", out_ptr="*bf16"),
            dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_SPLITS=16, OVERLAP=True), dict(num_warps=4))

@@ -1,4 +1,4 @@
-"""The decode path's Triton kernels compile for Hopper (sm_90) at the launchers' configurations, on any machine:
+"""The engine's Triton kernels compile for Hopper (sm_90) at the launchers' configurations, on any machine:
 the CPU interpreter runs the other kernel tests, and lets through what only the compiler rejects."""
 
 from __future__ import annotations
@@ -31,4 +31,4 @@ def test_the_kernels_compile_for_hopper():
                           capture_output=True, text=True, timeout=600)
     lines = done.stdout.splitlines()
     assert done.returncode == 0, "\n".join(line for line in lines if line.startswith("FAILED")) + done.stderr[-3000:]
-    assert len([line for line in lines if line.startswith("ok: ")]) >= 15, done.stdout
+    assert len([line for line in lines if line.startswith("ok: ")]) >= 20, done.stdout
