@@ -184,7 +184,7 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 3
     # K elements of each program's slice of W read before the kernel waits on the one before it (a power of two
-    # and a multiple of block_k); None: as much of the slice as PREFETCH_BYTES holds, 0: none
+    # and a multiple of block_k); None: prefetch_k's rule (by the slice, PREFETCH_BYTES and the weight's size), 0: none
     prefetch_k: int | None = None
 
 
