@@ -4,8 +4,7 @@ a global it cannot read). Run as a module, without TRITON_INTERPRET (test_compil
 per kernel configuration, exit status 1 if any failed.
 
 The configurations are the launchers' own for the Qwen3-0.6B shape (and an fp8 variant of each kernel that has
-one); a pointer's element type is named per argument, other arguments are int32 unless they are scales. Not here
-yet: the fused MoE and block-scaled fp8 GEMM kernels.
+one); a pointer's element type is named per argument, other arguments are int32 unless they are scales.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from triton.compiler import ASTSource
 
 from nanovllm.kernels import (
     decode_attention,
+    fp8_block_gemm,
+    fused_moe,
     prefill_attention,
     rms_norm,
     rope_store,
@@ -71,6 +72,31 @@ def skinny_cases():
         {**base, "W_SCALED": True, "X_SCALED": True, "BLOCK_K": 256, "HEAD_K": 0}
 
 
+def moe_cases():
+    """The alignment's three kernels and the grouped GEMM (gate/up with SiLU-and-mul, down with the routing weight)
+    at the Qwen3-30B-A3B shape's 128 experts."""
+    chunk, block_e = fused_moe.ALIGN_CHUNK, 128
+    yield ("moe: count", fused_moe._moe_count_kernel,
+           dict(topk_ids_ptr="*i64", chunk_counts_ptr="*i32", rank_ptr="*i32"), dict(CHUNK=chunk, BLOCK_E=block_e),
+           dict(num_warps=4))
+    yield ("moe: offsets", fused_moe._moe_offsets_kernel,
+           dict(chunk_counts_ptr="*i32", expert_starts_ptr="*i32", sorted_ids_ptr="*i32", block_experts_ptr="*i32",
+                num_padded_ptr="*i32"),
+           dict(BLOCK_M=16, BLOCK_E=block_e, CHUNKS_PER_STEP=max(16, 8192 // block_e),
+                BLOCKS_PER_STEP=max(16, 8192 // block_e), FILL=1024), dict(num_warps=4))
+    yield ("moe: scatter", fused_moe._moe_scatter_kernel,
+           dict(topk_ids_ptr="*i64", chunk_counts_ptr="*i32", rank_ptr="*i32", expert_starts_ptr="*i32",
+                sorted_ids_ptr="*i32"), dict(CHUNK=chunk), dict(num_warps=4))
+    pointers = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", routing_weights_ptr="*fp32", sorted_ids_ptr="*i32",
+                    block_experts_ptr="*i32", num_padded_ptr="*i32")
+    for gated, tokens in ((True, 16), (False, 4096)):
+        config = fused_moe.default_block_config(tokens)
+        yield (f"moe: grouped GEMM, gated {gated}, {tokens} tokens", fused_moe._moe_grouped_gemm_kernel, pointers,
+               dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GATED=gated,
+                    WEIGHTED=not gated, DOT_PRECISION="tf32"),
+               dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
 def cases():
     for name, pointers, constexprs in skinny_cases():
         yield name, skinny_gemm._skinny_gemm_kernel, pointers, constexprs, dict(num_warps=4, num_stages=3)
@@ -119,6 +145,10 @@ def cases():
     yield ("fp8 rows quantized", _quantize_rows_kernel, dict(x_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"),
            dict(BLOCK=1024), dict(num_warps=4))
     yield from sampling_cases()
+    yield from moe_cases()
+    yield ("fp8 block-scaled GEMM", fp8_block_gemm._block_fp8_gemm_kernel,
+           dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", y_ptr="*bf16", x_scale_ptr="*fp32", w_scale_ptr="*fp32"),
+           dict(GROUP_K=128, BLOCK_M=16, BLOCK_N=fp8_block_gemm.BLOCK_N, UPCAST=False), dict(num_warps=4, num_stages=3))
     yield ("decode reduce", decode_attention._decode_reduce_kernel,
            dict(partial_max_ptr="*fp32", partial_sum_ptr="*fp32", partial_acc_ptr="*fp32", out_ptr="*bf16"),
            dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_SPLITS=16, OVERLAP=True), dict(num_warps=4))
