@@ -62,7 +62,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None =
     """Whether a layer should norm these rows here: CUDA rows that fit, as few as a decode step's (<= MAX_ROWS),
     where the few-row GEMM after the norm overlaps it. Larger steps keep torch.compile's kernel: there nothing
     overlaps, and in prefill steps it was the faster (docs/benchmarks.md)."""
-    return x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and fits(x, weight, residual)
+    return x.is_cuda and fits(x, weight, residual) and x.shape[0] <= MAX_ROWS
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -3,8 +3,10 @@ the CPU down to a cubin, and it checks what the interpreter lets pass (a loop-ca
 a global it cannot read). Run as a module, without TRITON_INTERPRET (test_compile_for_hopper.py does): one line
 per kernel configuration, exit status 1 if any failed.
 
-The configurations are the launchers' own for the Qwen3-0.6B shape (and an fp8 variant of each kernel that has
-one); a pointer's element type is named per argument, other arguments are int32 unless they are scales.
+The configurations are those the launchers choose for the Qwen3-0.6B shape (and an fp8 variant of each kernel that
+has one), taken from their default-config functions where those need no GPU (decode attention, fused MoE) and
+written out otherwise; a pointer's element type is named per argument, other arguments are int32 unless they are
+scales.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import sys
 import traceback
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -107,14 +110,14 @@ def cases():
                dict(BLOCK=1024, HAS_RESIDUAL=residual, OVERLAP=True), dict(num_warps=4))
     for cache in ("*bf16", "*fp8e4nv"):
         fp8 = cache != "*bf16"
-        config = decode_attention.DecodeConfig(block_n=128 if fp8 else 64, num_warps=4, num_stages=6 if fp8 else 4)
+        config = decode_attention.default_decode_config(128, torch.float8_e4m3fn if fp8 else torch.bfloat16)
         yield (f"decode split, {cache} cache", decode_attention._decode_split_kernel,
                dict(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                     out_ptr="*bf16", partial_max_ptr="*fp32", partial_sum_ptr="*fp32", partial_acc_ptr="*fp32"),
                dict(NUM_HEADS=16, GROUP=2, BLOCK_GROUP=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=config.block_n,
                     WRITE_OUT=False, DOT_PRECISION="tf32", KV_FP8=fp8, V_ASM_UPCAST=fp8,
                     COMPUTE=tl.float16 if fp8 else tl.bfloat16, OVERLAP=True),
-               dict(num_warps=config.num_warps, num_stages=config.num_stages))
+               config.launch_options())
         yield (f"rope/store, {cache} cache", rope_store._norm_rope_store_kernel,
                dict(qkv_ptr="*bf16", positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", q_weight_ptr="*bf16",
                     k_weight_ptr="*bf16", q_out_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache,
