@@ -137,3 +137,46 @@ def test_the_head_read_before_the_wait_fits_its_budget():
     assert 512 * 32 * 2 == PREFETCH_BYTES
     with pytest.raises(AssertionError, match="power-of-two multiple"):
         prefetch_k(SkinnyConfig(32, 128, 2, prefetch_k=192), 512, gated=False)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_the_norm_inside_the_product_matches_the_norm_then_the_product(rows, split_k, gated, with_residual, dtype):
+    # (the interpreter rounds float32 to bfloat16 by truncation: bfloat16 only compiled)
+    from nanovllm.kernels.skinny_gemm import NormFirst, skinny_linear_normed
+    from nanovllm.layers.norm import RMSNorm
+    torch.manual_seed(rows + 10 * split_k + 100 * gated)
+    n, k = 80, 320  # ragged column blocks and K tiles: the rms loop and the product's both run past K
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE) * 3
+    residual = torch.randn(rows, k, dtype=dtype, device=DEVICE) if with_residual else None
+    norm = RMSNorm(k, eps=1e-5).to(device=DEVICE, dtype=dtype)
+    norm.weight.data = torch.rand(k, dtype=dtype, device=DEVICE) + 0.5
+    weight = torch.randn(2 * n if gated else n, k, dtype=dtype, device=DEVICE) / k ** 0.5
+    config = SkinnyConfig(block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
+    out, summed = skinny_linear_normed(x, NormFirst(norm.weight, norm.eps, residual), weight, gated=gated,
+                                       config=config)
+    normed, expected_summed = (norm(x), x) if residual is None else norm(x, residual)
+    assert torch.equal(summed, expected_summed)
+    assert out.shape == (rows, n)
+    # the norm rounds as the module does; its rms may differ in the last bit (another summation order), which
+    # SiLU's product may carry to a few units of bfloat16's last place
+    torch.testing.assert_close(out, skinny_linear(normed, weight, gated=gated, config=config), rtol=2e-2, atol=4e-2)
+    unnormed = skinny_linear((x if residual is None else expected_summed).contiguous(), weight, gated=gated,
+                             config=config)
+    assert (out.float() - unnormed.float()).abs().max() > 0.1  # the norm was applied
+    assert int(_counters(out.device, 2).abs().sum()) == 0
+
+
+def test_the_norm_before_the_product_checks_its_operands():
+    from nanovllm.kernels.skinny_gemm import NormFirst, fits_norm_first, skinny_linear_normed
+    x = torch.zeros(4, 32, dtype=torch.bfloat16)
+    assert fits_norm_first(x, NormFirst(torch.ones(32, dtype=torch.bfloat16), 1e-6, torch.zeros_like(x)))
+    assert not fits_norm_first(x, NormFirst(torch.ones(32), 1e-6))  # a float32 norm weight
+    assert not fits_norm_first(x, NormFirst(torch.ones(16, dtype=torch.bfloat16), 1e-6))
+    assert not fits_norm_first(x, NormFirst(torch.ones(32, dtype=torch.bfloat16), 1e-6, torch.zeros(4, 16)))
+    with pytest.raises(AssertionError, match="norm weight \\(16,\\)"):
+        skinny_linear_normed(x, NormFirst(torch.ones(16, dtype=torch.bfloat16), 1e-6),
+                             torch.zeros(8, 32, dtype=torch.bfloat16))
