@@ -13,11 +13,6 @@ Launched overlapped with the kernel before it (kernels/jit.py), a program reads 
 before it waits on that kernel: the weight is no product of it, so the read runs under that kernel's tail and
 only x waits.
 
-The RMSNorm before a product (with its residual add) may run inside it (skinny_linear_normed): every program
-sums the squares of whole rows of x + residual (a few KiB, read from L2) and norms its own tiles as it loads them,
-and the first program stores x + residual, the next residual. A decode layer's norm kernels go: the product after
-each norm would wait on it anyway.
-
 Gated (SwiGLU's gate_up projection packed as [gate | up] rows of W): each program reads the gate and the up rows
 of its columns and stores silu(gate) * up, so the activation never makes a round trip through memory.
 
@@ -57,15 +52,9 @@ def _skinny_gemm_kernel(
     out_ptr,            # [M, N], unit stride on N
     partial_ptr,        # [SPLIT_K, M, N_out_cols(x2 when GATED)] float32, when SPLIT_K > 1
     counter_ptr,        # [column blocks] int32 zeros, when SPLIT_K > 1
-    residual_ptr,       # [M, K] when NORM and HAS_RESIDUAL: added to x before the norm
-    norm_weight_ptr,    # [K] when NORM: the RMSNorm's weight
-    residual_out_ptr,   # [M, K] contiguous, when NORM and HAS_RESIDUAL: x + residual, the next residual
     M, N, K,
-    stride_xm, stride_om, stride_rm,
+    stride_xm, stride_om,
     k_per_split,        # a multiple of BLOCK_K
-    eps,                # the RMSNorm's, when NORM
-    NORM: tl.constexpr,  # the product of rms_norm(x (+ residual)) rather than of x
-    HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     W_SCALED: tl.constexpr,
@@ -100,26 +89,12 @@ def _skinny_gemm_kernel(
             w_up_head = tl.load(w_cols + N * K + head_ks[:, None], mask=head_mask, other=0.0)
     wait_for_prior_kernel(OVERLAP)
 
-    inv_rms = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
-        # every program takes the rms of whole rows (a few KiB, from L2); the first one also stores x + residual
-        squares = tl.zeros([BLOCK_M], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            mask = row_mask[:, None] & ((k + ks) < K)[None, :]
-            summed = _summed_x(x_ptr, residual_ptr, rows, k + ks, mask, stride_xm, stride_rm, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                if (pid_n == 0) & (split == 0):
-                    tl.store(residual_out_ptr + rows[:, None] * K + (k + ks)[None, :], summed, mask=mask)
-            summed = summed.to(tl.float32)
-            squares += tl.sum(summed * summed, 1)
-        inv_rms = tl.rsqrt(squares / K + eps)
-
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if HEAD_K > 0:
         # its own names: the loop below may not carry a variable whose shape changes
-        x_head = _x_tile(x_ptr, residual_ptr, norm_weight_ptr, inv_rms, rows, head_ks, row_mask,
-                         head_k_mask, stride_xm, stride_rm, NORM, HAS_RESIDUAL)
+        x_head = tl.load(x_ptr + rows[:, None] * stride_xm + head_ks[None, :],
+                         mask=row_mask[:, None] & head_k_mask[None, :], other=0.0)
         if UPCAST:
             x_head = x_head.to(tl.float32)
         acc += tl.dot(x_head, _as_operand(w_head, x_head, UPCAST))
@@ -127,8 +102,8 @@ def _skinny_gemm_kernel(
             acc_up += tl.dot(x_head, _as_operand(w_up_head, x_head, UPCAST))
     for k in range(k_start + HEAD_K, k_end, BLOCK_K):
         k_mask = (k + ks) < k_end
-        x = _x_tile(x_ptr, residual_ptr, norm_weight_ptr, inv_rms, rows, k + ks, row_mask, k_mask,
-                    stride_xm, stride_rm, NORM, HAS_RESIDUAL)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k + ks)[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         tile_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_cols + (k + ks)[:, None], mask=tile_mask, other=0.0)
         if UPCAST:
@@ -163,32 +138,6 @@ def _skinny_gemm_kernel(
     else:
         _epilogue(acc, acc_up, bias_ptr, w_scale_ptr, x_scale_ptr, out_ptr, stride_om, rows, cols, row_mask,
                   col_mask, N, HAS_BIAS, GATED, W_SCALED, X_SCALED)
-
-
-@triton.jit
-def _summed_x(x_ptr, residual_ptr, rows, ks, mask, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr):
-    """x's [rows, ks] tile, plus the residual's rounded to x's dtype (the residual add before a norm)."""
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return x
-
-
-@triton.jit
-def _x_tile(x_ptr, residual_ptr, norm_weight_ptr, inv_rms, rows, ks, row_mask, k_mask, stride_xm, stride_rm,
-            NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The [rows, ks] tile of the product's left operand: x's, or under NORM rms_norm(x + residual)'s, rounded as
-    kernels/rms_norm.py rounds it."""
-    mask = row_mask[:, None] & k_mask[None, :]
-    if NORM:
-        summed = _summed_x(x_ptr, residual_ptr, rows, ks, mask, stride_xm, stride_rm, HAS_RESIDUAL)
-        normed = (summed.to(tl.float32) * inv_rms[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-        weight = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        x = (weight[None, :] * normed).to(x_ptr.dtype.element_ty)
-    else:
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
-    return x
 
 
 @triton.jit
@@ -303,47 +252,12 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1)
 
 
-@dataclass(frozen=True)
-class NormFirst:
-    """An RMSNorm the product applies to x first, with the residual add before it (None: the first layer's, which
-    has none): the product is of rms_norm(x + residual), as kernels/rms_norm.py computes it."""
-    weight: torch.Tensor  # [K], x's dtype
-    eps: float
-    residual: torch.Tensor | None = None  # [M, K], x's dtype, unit stride on K
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
                   config: SkinnyConfig | None = None, weight_scale: torch.Tensor | None = None,
                   x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M <= 16, K] @ weight[N_total, K]^T (+ bias); gated: weight is [gate | up] (2N rows), returns
     silu(x gate^T) * (x up^T) as [M, N]. An e4m3 weight comes with weight_scale (float32, one per row of weight),
     an e4m3 x with x_scale (float32, one per row of x) and out_dtype (the 16-bit dtype of the result)."""
-    return _launch(x, weight, bias, gated, config, weight_scale, x_scale, out_dtype, None)[0]
-
-
-def fits_norm_first(x: torch.Tensor, norm: NormFirst) -> bool:
-    """Whether skinny_linear_normed takes this norm before a product of x (which itself fits): 16-bit x, the norm's
-    weight and residual in x's dtype and shape."""
-    residual = norm.residual
-    return (x.dtype in SIXTEEN_BIT and norm.weight.shape == (x.shape[1],) and norm.weight.dtype == x.dtype
-            and norm.weight.is_contiguous()
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                      and residual.stride(-1) == 1)))
-
-
-def skinny_linear_normed(x: torch.Tensor, norm: NormFirst, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         *, gated: bool = False, config: SkinnyConfig | None = None,
-                         weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """skinny_linear of rms_norm(x + norm.residual) in one kernel (no norm kernel before it), and x + residual
-    (x itself when the norm has no residual): what layers/norm.py's RMSNorm followed by the product returns."""
-    assert fits_norm_first(x, norm), (f"the norm before the product takes 16-bit rows with a weight and residual "
-                                      f"of their dtype and width, got x {tuple(x.shape)} {x.dtype}, norm weight "
-                                      f"{tuple(norm.weight.shape)} {norm.weight.dtype}")
-    return _launch(x, weight, bias, gated, config, weight_scale, None, None, norm)
-
-
-def _launch(x, weight, bias, gated, config, weight_scale, x_scale, out_dtype, norm):
-    """(out, the norm's summed residual or x, or None without a norm)."""
     assert fits(x, weight), (f"skinny_linear takes <= {MAX_ROWS} rows of 16-bit or e4m3 x, got {tuple(x.shape)} "
                              f"{x.dtype} with a {weight.dtype} weight")
     assert (weight.dtype == FP8) == (weight_scale is not None), "an e4m3 weight and weight_scale go together"
@@ -366,20 +280,13 @@ def _launch(x, weight, bias, gated, config, weight_scale, x_scale, out_dtype, no
         counters = _counters(x.device, column_blocks)
     else:
         partial = counters = out  # unused
-    residual = norm.residual if norm is not None else None
-    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     _skinny_gemm_kernel[(column_blocks, split_k)](
         x, weight, bias if bias is not None else out, out if weight_scale is None else weight_scale.reshape(-1),
-        out if x_scale is None else x_scale.reshape(-1), out, partial, counters,
-        residual if residual is not None else x, norm.weight if norm is not None else x,
-        summed if summed is not None else x, m, n, k, x.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else 0, k_per_split, norm.eps if norm is not None else 0.0,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
-        W_SCALED=weight_scale is not None, X_SCALED=x_scale is not None, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
+        out if x_scale is None else x_scale.reshape(-1), out, partial, counters, m, n, k, x.stride(0),
+        out.stride(0), k_per_split, HAS_BIAS=bias is not None, GATED=gated, W_SCALED=weight_scale is not None,
+        X_SCALED=x_scale is not None, SPLIT_K=split_k, BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=INTERPRETED,
         HEAD_K=prefetch_k(config, k_per_split, gated, weight.numel() * weight.element_size()), num_warps=config.num_warps,
         num_stages=config.num_stages, **overlap_options(x.device),
     )
-    if norm is None:
-        return out, None
-    return out, summed if summed is not None else x
+    return out

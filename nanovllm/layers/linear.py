@@ -72,11 +72,6 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, _divide(output_size, tp_size(), "output size"), bias)
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
-        """(self(norm(x + residual)), x + residual), or without a residual (self(norm(x)), x): one kernel where the
-        linear method has one (a decode step's rows)."""
-        return self.linear_method.apply_normed(self, x, residual, norm, self.bias)
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections packed in one matmul (gate and up); shard_id = index of the part."""
@@ -94,11 +89,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward_silu_and_mul(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """act(self(x)) for a [gate | up] pair and SwiGLU's act: one kernel where the linear method has one."""
         return self.linear_method.apply_silu_and_mul(self, x, self.bias, act)
-
-    def forward_normed_silu_and_mul(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
-                                    act: nn.Module):
-        """forward_normed's pair with act applied to the product: forward_silu_and_mul of the normed rows."""
-        return self.linear_method.apply_normed(self, x, residual, norm, self.bias, act)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

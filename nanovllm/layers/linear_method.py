@@ -13,8 +13,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.norm import RMSNorm
-
 
 @functools.cache
 def _skinny_gemm():
@@ -47,21 +45,6 @@ class LinearMethod:
             if skinny_gemm.takes(x, layer.weight, gated=True):
                 return skinny_gemm.skinny_linear(x, layer.weight, bias, gated=True)
         return act(self.apply(layer, x, bias))
-
-    def apply_normed(self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm: torch.nn.Module, bias: torch.Tensor | None, act: torch.nn.Module | None = None):
-        """(y, x + residual) with y = norm(x + residual) W^T + b, or act(...) of it for SwiGLU's gate_up; without a
-        residual (the first layer) (norm(x) W^T + b, x). What the norm module and then apply (or
-        apply_silu_and_mul) return; the default method runs the norm inside the few-row kernel's product where
-        that kernel takes both, so a decode layer launches no norm kernel."""
-        if not self.owns_weight and isinstance(x, torch.Tensor) and x.is_cuda and isinstance(norm, RMSNorm):
-            skinny_gemm = _skinny_gemm()
-            first = skinny_gemm.NormFirst(norm.weight, norm.eps, residual)
-            if skinny_gemm.takes(x, layer.weight, gated=act is not None) and skinny_gemm.fits_norm_first(x, first):
-                return skinny_gemm.skinny_linear_normed(x, first, layer.weight, bias, gated=act is not None)
-        normed, residual = (norm(x), x) if residual is None else norm(x, residual)
-        y = self.apply(layer, normed, bias) if act is None else self.apply_silu_and_mul(layer, normed, bias, act)
-        return y, residual
 
 
 UNQUANTIZED = LinearMethod()  # holds nothing: every layer may share it

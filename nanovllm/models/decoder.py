@@ -52,8 +52,8 @@ class DecoderAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention and o_proj from the packed q/k/v projection (the layer runs qkv_proj with its norm)."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
         if self.attn.fuses_qkv(self.rotary, qkv):
             # one kernel for q/k norm, RoPE and the KV store
             out = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm)
@@ -86,11 +86,6 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, self.act))
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
-        """(self(norm(x + residual)), x + residual), the norm inside gate_up's product where it can run there."""
-        hidden, residual = self.gate_up_proj.forward_normed_silu_and_mul(x, residual, norm, self.act)
-        return self.down_proj(hidden), residual
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, traits: FamilyTraits, rotary: RotaryEmbedding, mlp: nn.Module):
@@ -101,12 +96,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        # each norm runs inside the product after it where the linear method can (a decode step's rows)
-        qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
-        hidden = self.self_attn(positions, qkv)
-        if isinstance(self.mlp, DecoderMLP):
-            return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)  # experts: their router reads it too
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 

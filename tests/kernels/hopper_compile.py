@@ -64,16 +64,12 @@ def compile_for_hopper(fn, pointers: dict[str, str], constexprs: dict, **options
 
 def skinny_cases():
     pointers = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", w_scale_ptr="*fp32", x_scale_ptr="*fp32",
-                    out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32", residual_ptr="*bf16",
-                    norm_weight_ptr="*bf16", residual_out_ptr="*bf16")
-    base = dict(NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, GATED=False, W_SCALED=False, X_SCALED=False, SPLIT_K=2, BLOCK_M=skinny_gemm.MAX_ROWS,
+                    out_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32")
+    base = dict(HAS_BIAS=False, GATED=False, W_SCALED=False, X_SCALED=False, SPLIT_K=2, BLOCK_M=skinny_gemm.MAX_ROWS,
                 BLOCK_N=32, BLOCK_K=128, UPCAST=False, HEAD_K=512, OVERLAP=True)
     yield "skinny qkv, read ahead", pointers, base
     yield "skinny qkv, no read ahead", pointers, {**base, "HEAD_K": 0}
     yield "skinny gate_up + SiLU", pointers, {**base, "GATED": True, "SPLIT_K": 1, "BLOCK_K": 256, "HEAD_K": 256}
-    yield "skinny qkv, the norm first", pointers, {**base, "NORM": True, "HAS_RESIDUAL": True}
-    yield "skinny gate_up + SiLU, the first layer's norm first", pointers, \
-        {**base, "NORM": True, "GATED": True, "SPLIT_K": 1, "BLOCK_K": 256, "HEAD_K": 256}
     yield "skinny e4m3 weight", {**pointers, "w_ptr": "*fp8e4nv"}, {**base, "W_SCALED": True, "BLOCK_K": 256}
     yield "skinny e4m3 weight and x", {**pointers, "w_ptr": "*fp8e4nv", "x_ptr": "*fp8e4nv"}, \
         {**base, "W_SCALED": True, "X_SCALED": True, "BLOCK_K": 256, "HEAD_K": 0}

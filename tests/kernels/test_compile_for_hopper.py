@@ -31,4 +31,4 @@ def test_the_kernels_compile_for_hopper():
                           capture_output=True, text=True, timeout=600)
     lines = done.stdout.splitlines()
     assert done.returncode == 0, "\n".join(line for line in lines if line.startswith("FAILED")) + done.stderr[-3000:]
-    assert len([line for line in lines if line.startswith("ok: ")]) >= 28, done.stdout
+    assert len([line for line in lines if line.startswith("ok: ")]) >= 26, done.stdout
