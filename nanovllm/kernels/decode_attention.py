@@ -36,8 +36,10 @@ from nanovllm.kernels.jit import (
 )
 
 LOG2E = math.log2(math.e)
-# A split shorter than this spends more on its prologue and on the reduction than it gains.
-MIN_TOKENS_PER_SPLIT = 256
+# The shortest split the plan makes: one 64-key tile. At a few requests a step's attention is latency, not bytes:
+# each program walks its keys one tile after another, so shorter splits over more programs finish sooner, even
+# with the reduce reading more partials (256 before; docs/benchmarks.md, 2026-12-07).
+MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 # Programs per SM that choose_num_splits aims for. 8 beat 16 on the H200 (W1 +2.6 %, W2 +3.3 %): at 256
 # requests x 8 KV heads it takes one split, which skips the reduce kernel.
@@ -217,8 +219,22 @@ def default_decode_config(head_dim: int, cache_dtype: torch.dtype, device: torch
     return DecodeConfig(block_n=min(64, max(16, 16384 // row_bytes)), num_warps=4, num_stages=4)
 
 
+# a plan of at least this many splits comes from a step of a few requests (up to 16 with 8 KV heads, 132 SMs)
+FEW_REQUEST_SPLITS = 8
+
+
+def few_request_config(config: DecodeConfig, num_splits: int, cache_dtype: torch.dtype) -> DecodeConfig:
+    """A 16-bit cache's default tiles for a plan of many splits (a step of a few requests): two pipeline stages
+    instead of four. Each program then walks a few tiles, where deeper prefetching only delays its start; one
+    long request's sweep found two stages as fast as four (docs/benchmarks.md, 2026-12-07)."""
+    if num_splits >= FEW_REQUEST_SPLITS and cache_dtype.itemsize == 2 and config.num_stages > 2:
+        return DecodeConfig(config.block_n, config.num_warps, 2, config.max_registers)
+    return config
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
-    """Enough (request, kv head, split) programs for many waves over the SMs, splits >= 256 keys.
+    """Enough (request, kv head, split) programs for many waves over the SMs, splits >= one tile
+    and >= MIN_TOKENS_PER_SPLIT keys.
 
     Depends on python ints only, so a CUDA graph captured for a batch size and a max_seq_len bound
     replays with the same grid.
@@ -285,9 +301,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_seqs == 0:
         return out
 
+    default = config is None
     config = config or default_decode_config(head_dim, k_cache.dtype, q.device)
     asked_splits = num_splits
     num_splits, _ = plan_splits(num_seqs, num_kv_heads, max_seq_len, config.block_n, q.device, num_splits)
+    if default:
+        config = few_request_config(config, num_splits, k_cache.dtype)
     # a split count asked for by the caller is honoured down to one tile a split; the planned one keeps splits
     # long enough to be worth their partials
     min_tokens_per_split = config.block_n if asked_splits else triton.cdiv(MIN_TOKENS_PER_SPLIT,

@@ -8,7 +8,13 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from nanovllm.attention.reference import decode_attention_ref  # noqa: E402
-from nanovllm.kernels.decode_attention import choose_num_splits, decode_attention, plan_splits  # noqa: E402
+from nanovllm.kernels.decode_attention import (  # noqa: E402
+    choose_num_splits,
+    decode_attention,
+    default_decode_config,
+    few_request_config,
+    plan_splits,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -48,7 +54,7 @@ def test_loose_max_seq_len_bound_leaves_empty_splits(paged_batch, tolerances) ->
     batch = paged_batch([1, 1, 1], [0, 40, 150], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                         dtype=torch.float32)
     out, ref = _run(batch, 0.3, max_seq_len=4096)
-    assert choose_num_splits(3, 2, 4096, 32, 132) == 16
+    assert choose_num_splits(3, 2, 4096, 32, 132) == 64
     torch.testing.assert_close(out, ref, **tolerances[torch.float32])
 
 
@@ -95,9 +101,21 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(64, 8, 1024, 64, 132) == 2    # 512 programs: splits add waves
     assert choose_num_splits(256, 4, 1024, 64, 132) == 1   # 1024 programs: near enough the aim of 1056
     assert choose_num_splits(1024, 8, 1024, 64, 132) == 1  # enough programs already
-    assert choose_num_splits(1, 8, 100, 64, 132) == 1      # too short to split
+    assert choose_num_splits(1, 8, 60, 64, 132) == 1       # too short to split
     assert choose_num_splits(1, 8, 1 << 20, 64, 132) == 64  # capped
-    assert choose_num_splits(4, 8, 4096, 64, 132) == 16    # 256 keys per split at least
+    assert choose_num_splits(4, 8, 4096, 64, 132) == 33    # 1056 programs wanted
+    assert choose_num_splits(1, 8, 1000, 64, 132) == 16    # 64 keys per split at least
+    assert choose_num_splits(1, 8, 1000, 128, 132) == 8    # one tile per split at least
+
+
+def test_a_few_requests_take_two_pipeline_stages() -> None:
+    bf16 = default_decode_config(128, torch.bfloat16)
+    assert bf16.num_stages == 4
+    assert few_request_config(bf16, 64, torch.bfloat16).num_stages == 2  # one request at any length
+    assert few_request_config(bf16, 8, torch.bfloat16).num_stages == 2   # 16 requests x 8 KV heads
+    assert few_request_config(bf16, 4, torch.bfloat16) == bf16            # 32 requests and more keep four
+    fp8 = default_decode_config(128, torch.float8_e4m3fn)
+    assert few_request_config(fp8, 64, torch.float8_e4m3fn) == fp8        # an fp8 cache keeps its own tiles
 
 
 def test_plan_splits_rounds_to_whole_tiles() -> None:
