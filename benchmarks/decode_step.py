@@ -255,7 +255,7 @@ def main() -> None:
               f"{r.get('eager_ms', float('nan')):>10.3f}{r.get('graph_kernels', 0):>9}")
     for r in results:
         for part in ("graph_top", "head_top"):
-            if part in r:
+            if r.get(part):  # --top-kernels 0: no tables
                 print(f"\nbatch {r['batch']}, {part[:-4]}: " + "".join(
                     f"\n  {k['us']:>9.1f} us {k['calls']:>4} x  {k['kernel']}" for k in r[part]))
     if args.host_profile:
