@@ -36,6 +36,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# `python -m nanovllm.server.serve` that Linux sends SIGTERM when the test process dies (PR_SET_PDEATHSIG), so a
+# suite killed mid-run leaves no server behind (the fixtures stop theirs only on a normal exit)
+_SERVE_WHILE_THE_PARENT_LIVES = (
+    "import ctypes, runpy, signal, sys\n"
+    "if sys.platform == 'linux':\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "runpy.run_module('nanovllm.server.serve', run_name='__main__', alter_sys=True)\n"
+)
+
+
 class ServerProcess:
     """``python -m nanovllm.server.serve`` in a child process, waited for until /health answers."""
 
@@ -47,7 +57,7 @@ class ServerProcess:
         child_env = dict(os.environ, PYTHONPATH=python_path, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                          **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nanovllm.server.serve", *([model] if model else []), "--port", str(self.port),
+            [sys.executable, "-c", _SERVE_WHILE_THE_PARENT_LIVES, *([model] if model else []), "--port", str(self.port),
              "--no-access-log",
              "--log-level", "warning", *flags],
             cwd=REPO_ROOT, env=child_env, stdout=self.log, stderr=subprocess.STDOUT)
