@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import sys
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -44,22 +45,12 @@ PARTS = ("main", "no_rope_store", "one_split", "no_attention", "no_norms", "plan
          "max_splits=N", "tile=N", "stages=N", "warps=N")
 
 
-@contextlib.contextmanager
-def patched(module, name: str, replacement):
-    original = getattr(module, name)
-    setattr(module, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
 def _leave_out_rope_store(stack, rope_module):
     def q_view(qkv, positions, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping, num_heads,
                num_kv_heads, k_scale=1.0, v_scale=1.0, *, q_out=None):
         head_dim = k_cache.shape[-1]
         return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
-    stack.enter_context(patched(rope_module, "norm_rope_store", q_view))
+    stack.enter_context(mock.patch.object(rope_module, "norm_rope_store", q_view))
 
 
 def _decode_with(stack, decode_module, **forced):
@@ -67,7 +58,7 @@ def _decode_with(stack, decode_module, **forced):
 
     def forcing(*args, **kwargs):
         return original(*args, **(kwargs | forced))
-    stack.enter_context(patched(decode_module, "decode_attention", forcing))
+    stack.enter_context(mock.patch.object(decode_module, "decode_attention", forcing))
 
 
 def _decode_config_with(stack, decode_module, **fields):
@@ -75,7 +66,7 @@ def _decode_config_with(stack, decode_module, **fields):
 
     def changed(*args, **kwargs):
         return dataclasses.replace(original(*args, **kwargs), **fields)
-    stack.enter_context(patched(decode_module, "default_decode_config", changed))
+    stack.enter_context(mock.patch.object(decode_module, "default_decode_config", changed))
 
 
 def variant_in_place(variant: str) -> contextlib.ExitStack:
@@ -93,15 +84,15 @@ def variant_in_place(variant: str) -> contextlib.ExitStack:
         elif name == "one_split":
             _decode_with(stack, decode_module, num_splits=1)
         elif name == "no_attention":
-            stack.enter_context(patched(decode_module, "decode_attention",
+            stack.enter_context(mock.patch.object(decode_module, "decode_attention",
                                         lambda q, *args, out=None, **kwargs: q if out is None else out))
         elif name == "no_norms":
-            stack.enter_context(patched(norm_module, "add_rms_norm", lambda x, weight, eps, residual=None:
+            stack.enter_context(mock.patch.object(norm_module, "add_rms_norm", lambda x, weight, eps, residual=None:
                                         x if residual is None else (x, residual)))
         elif name == "min_split":  # the shortest split the plan makes, in keys
-            stack.enter_context(patched(decode_module, "MIN_TOKENS_PER_SPLIT", int(value)))
+            stack.enter_context(mock.patch.object(decode_module, "MIN_TOKENS_PER_SPLIT", int(value)))
         elif name == "max_splits":
-            stack.enter_context(patched(decode_module, "MAX_SPLITS", int(value)))
+            stack.enter_context(mock.patch.object(decode_module, "MAX_SPLITS", int(value)))
         elif name in ("tile", "stages", "warps"):
             field = {"tile": "block_n", "stages": "num_stages", "warps": "num_warps"}[name]
             _decode_config_with(stack, decode_module, **{field: int(value)})

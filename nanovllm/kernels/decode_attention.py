@@ -18,6 +18,7 @@ Splits of one request::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -228,7 +229,7 @@ def few_request_config(config: DecodeConfig, num_splits: int, cache_dtype: torch
     instead of four. Each program then walks a few tiles, where deeper prefetching only delays its start; one
     long request's sweep found two stages as fast as four (docs/benchmarks.md, 2026-12-07)."""
     if num_splits >= FEW_REQUEST_SPLITS and cache_dtype.itemsize == 2 and config.num_stages > 2:
-        return DecodeConfig(config.block_n, config.num_warps, 2, config.max_registers)
+        return dataclasses.replace(config, num_stages=2)
     return config
 
 
