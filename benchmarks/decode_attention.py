@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-COPY_TBPS_H200 = 4.25  # device-to-device copy (read + write) on the H200 of docs/benchmarks.md; --smoke reports it
+from benchmarks.card import H200_COPY_BANDWIDTH, copy_bandwidth_tbps  # noqa: E402
+
 TARGET_FRACTION = 0.75  # of the copy bandwidth measured in the same run
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # (block_n, num_warps, num_stages[, max_registers]) tried by --sweep besides the default
@@ -52,16 +53,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="no GPU: tiny shapes under the Triton CPU interpreter, to check the script runs")
     return parser.parse_args()
-
-
-def copy_bandwidth_tbps(time_ms, device: str) -> float:
-    """A 1 GiB device-to-device copy: bytes read + written per second, the ceiling a kernel that streams its
-    inputs once can approach."""
-    import torch
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (time_ms(lambda: dst.copy_(src)) * 1e-3) / 1e12
 
 
 def main() -> int:
@@ -106,7 +97,7 @@ def main() -> int:
         fn()
         return (time.perf_counter() - start) * 1e3
 
-    copy_tbps = copy_bandwidth_tbps(time_ms, device) if device == "cuda" else COPY_TBPS_H200
+    copy_tbps = copy_bandwidth_tbps(time_ms, device) if device == "cuda" else H200_COPY_BANDWIDTH / 1e12  # --smoke reports the H200's
     default_config = default_decode_config(head_dim, kv_dtype, torch.device(device))
     results = []
     for block_size in args.block_sizes:

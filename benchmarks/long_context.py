@@ -27,14 +27,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.decode_attention import copy_bandwidth_tbps  # noqa: E402
+from benchmarks.card import H200_COPY_BANDWIDTH, measured_copy_bandwidth  # noqa: E402
 from benchmarks.throughput import StepTimer  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(HERE, "model_configs", "qwen3-0.6b")
-# measured on the H200 used for these figures (docs/benchmarks.md); the peak is the card's bf16 dense figure
-COPY_BANDWIDTH = 4.25e12  # bytes/s
+# the H200's bf16 dense peak (the issue's figure)
 PEAK_FLOPS = 787e12
 
 
@@ -91,19 +90,6 @@ def timed_generate(llm: LLM, prompts, max_tokens: int) -> float:
     return seconds
 
 
-def measured_copy_bandwidth() -> float | None:
-    """This card's device-to-device copy (read + write) in bytes/s; None off CUDA."""
-    import torch
-    import triton.testing
-
-    if not torch.cuda.is_available():
-        return None
-    tbps = copy_bandwidth_tbps(lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"),
-                               "cuda")
-    torch.cuda.empty_cache()
-    return tbps * 1e12
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a folder with config.json (random weights)")
@@ -153,7 +139,7 @@ def main() -> None:
             flops = prefill_flops(shape, prompt_len, batch)
             mean_context = prompt_len + 1 + args.decode_steps / 2
             decode_bytes = shape["read_bytes"] + batch * mean_context * shape["kv_bytes"]
-            decode_floor = decode_bytes / COPY_BANDWIDTH
+            decode_floor = decode_bytes / H200_COPY_BANDWIDTH
             card_floor = decode_bytes / card_copy if card_copy else None
             rows.append(dict(prompt_len=prompt_len, batch=batch, prefill_seconds=round(prefill, 4),
                              prefill_tflops=round(flops / prefill / 1e12, 1),

@@ -19,13 +19,16 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.card import (  # noqa: E402
+    H200_COPY_BANDWIDTH,
+    H200_MATMUL_FLOPS,
+    measured_copy_bandwidth,
+    measured_matmul_flops,
+)
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(HERE, "model_configs", "qwen3-0.6b")
-# measured on the H200 used for these figures (see docs/benchmarks.md)
-COPY_BANDWIDTH = 4.25e12  # bytes/s, device-to-device copy, read + write
-MATMUL_FLOPS = 774e12  # bf16 dense
 
 
 def workload(name: str, num_requests: int):
@@ -47,45 +50,60 @@ def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
-def roofline_seconds(llm: LLM, prompts, params) -> tuple[float, float]:
-    """(memory floor, compute floor) in seconds: every decode step reads the weights and each live KV once.
+class Roofline:
+    """What a workload must move and multiply: every decode step reads the weights and each live request's K/V
+    once; every token multiplies by the weights it passes.
 
     Mixture of experts: a decode step reads the dense weights (attention, router, dense layers, LM head) and,
     in each sparse layer, only the experts its tokens picked (expected distinct experts of `running` tokens
     routed at random; at 256 requests x 8 of 128 experts that is nearly all); a token's FLOPs count its top_k
     experts. With tensor parallelism the work is spread over that many GPUs, so their bandwidth and FLOPs add up.
     """
-    from nanovllm.layers.fused_moe import FusedExperts
 
-    cfg = llm.hf_config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * llm.config.kv_torch_dtype.itemsize
-    model = getattr(llm.runner, "runner", llm.runner).model
-    gpus = llm.config.tensor_parallel_size
-    weight_params = sum(p.numel() for p in model.parameters())  # a tied embedding counts once, as the LM head
-    if not model.tie_word_embeddings:
-        # a step reads only its tokens' rows of an input embedding of its own (Qwen3-8B: 0.6 G of 8.2 G params)
-        weight_params -= model.model.embed_tokens.weight.numel()
-    expert_layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    expert_params = sum(m.w13_weight.numel() + m.w2_weight.numel() for m in expert_layers)
-    dense_params = (weight_params - expert_params) * gpus
-    num_experts = expert_layers[0].num_experts if expert_layers else 0
-    top_k = getattr(cfg, "num_experts_per_tok", 0) if expert_layers else 0
-    per_expert = expert_params * gpus / (len(expert_layers) * num_experts) if expert_layers else 0  # of one layer
-    kv_reads = sum(len(p) * sp.max_tokens + sp.max_tokens * (sp.max_tokens - 1) // 2 for p, sp in zip(prompts, params))
-    decode_steps = max(sp.max_tokens for sp in params)  # all requests fit at once on the card
-    lengths = sorted(sp.max_tokens for sp in params)
-    weight_reads = 0.0
-    for step in range(decode_steps):  # requests still running at each step read their experts
-        running = len(lengths) - next((i for i, n in enumerate(lengths) if n > step), len(lengths))
-        hit = expected_experts_hit(num_experts, top_k, running) if expert_layers else 0
-        weight_reads += dense_params + len(expert_layers) * hit * per_expert
-    weight_bytes = 1 if llm.config.quantization == "fp8" else 2  # fp8: the linear layers' (the LM head stays 16-bit)
-    memory = (kv_reads * kv_bytes + weight_reads * weight_bytes) / (COPY_BANDWIDTH * gpus)
-    tokens = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
-    active_params = dense_params + len(expert_layers) * top_k * per_expert
-    compute = 2 * active_params * tokens / (MATMUL_FLOPS * gpus)
-    return memory, compute
+    def __init__(self, llm: LLM):
+        from nanovllm.layers.fused_moe import FusedExperts
+
+        cfg = llm.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * llm.config.kv_torch_dtype.itemsize
+        model = getattr(llm.runner, "runner", llm.runner).model
+        self.gpus = llm.config.tensor_parallel_size
+        weight_params = sum(p.numel() for p in model.parameters())  # a tied embedding counts once, as the LM head
+        if not model.tie_word_embeddings:
+            # a step reads only its tokens' rows of an input embedding of its own (Qwen3-8B: 0.6 G of 8.2 G params)
+            weight_params -= model.model.embed_tokens.weight.numel()
+        expert_layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        expert_params = sum(m.w13_weight.numel() + m.w2_weight.numel() for m in expert_layers)
+        self.dense_params = (weight_params - expert_params) * self.gpus
+        self.expert_layers = len(expert_layers)
+        self.num_experts = expert_layers[0].num_experts if expert_layers else 0
+        self.top_k = getattr(cfg, "num_experts_per_tok", 0) if expert_layers else 0
+        # of one expert of one layer
+        self.per_expert = expert_params * self.gpus / (self.expert_layers * self.num_experts) if expert_layers else 0
+        # fp8: the linear layers' (the LM head stays 16-bit)
+        self.weight_bytes = 1 if llm.config.quantization == "fp8" else 2
+
+    def step_bytes(self, context_lens: list[int]) -> float:
+        """Bytes a decode step of requests with these contexts reads: its weights and their K/V."""
+        hit = expected_experts_hit(self.num_experts, self.top_k, len(context_lens)) if self.expert_layers else 0
+        weights = self.dense_params + self.expert_layers * hit * self.per_expert
+        return weights * self.weight_bytes + sum(context_lens) * self.kv_bytes
+
+    def seconds(self, prompts, params, bandwidth: float, flops: float) -> tuple[float, float]:
+        """(memory floor, compute floor) of a workload in seconds at the given bandwidth (bytes/s) and bf16 FLOP/s
+        of one GPU."""
+        kv_reads = sum(len(p) * sp.max_tokens + sp.max_tokens * (sp.max_tokens - 1) // 2
+                       for p, sp in zip(prompts, params))
+        lengths = sorted(sp.max_tokens for sp in params)
+        weight_reads = 0.0
+        for step in range(lengths[-1]):  # all requests fit at once on the card; those still running read weights
+            running = len(lengths) - next((i for i, n in enumerate(lengths) if n > step), len(lengths))
+            weight_reads += self.step_bytes([0] * running)
+        memory = (kv_reads * self.kv_bytes + weight_reads) / (bandwidth * self.gpus)
+        tokens = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+        active_params = self.dense_params + self.expert_layers * self.top_k * self.per_expert
+        compute = 2 * active_params * tokens / (flops * self.gpus)
+        return memory, compute
 
 
 class StepProfiler:
@@ -142,39 +160,54 @@ def _batch_bucket(batch: int) -> str:
 
 
 class StepTimer:
-    """Wall time of the engine's steps by kind (with prefill tokens, decode only); adds no device syncs."""
+    """Wall time of the engine's steps by kind (with prefill tokens, decode only); adds no device syncs.
 
-    def __init__(self, llm: LLM):
+    Given a Roofline and a bandwidth (bytes/s), each decode-only step also gets its floor: the bytes of its
+    weights and of its requests' K/V (their lengths as the step starts) at that bandwidth."""
+
+    def __init__(self, llm: LLM, roofline: Roofline | None = None, bandwidth: float | None = None):
         self.llm = llm
         self.totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
         self.prefill_step_seconds: list[float] = []
-        # decode-only steps by batch size: [steps, seconds]; shows whether small batches (the tail of a
-        # workload, where the host's part of a step is no longer hidden behind the GPU's) cost more than their share
-        self.by_batch: dict[str, list] = defaultdict(lambda: [0, 0.0])
+        # decode-only steps by batch size: [steps, seconds, floor seconds]; shows whether small batches (the tail of
+        # a workload, where the host's part of a step is no longer hidden behind the GPU's) cost more than their share
+        self.by_batch: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])
+        self.roofline, self.bandwidth = (roofline, bandwidth) if roofline and bandwidth else (None, None)
         self._step = llm.step
         llm.step = self.step
 
     def step(self):
+        floor = None
+        if self.roofline is not None:
+            floor = self.roofline.step_bytes([len(s) for s in self.llm.scheduler.running]) / (
+                self.bandwidth * self.roofline.gpus)
         start = time.perf_counter()
         result = self._step()
+        seconds = time.perf_counter() - start
         kind = "prefill" if self.llm.last_step.prefill_tokens else "decode"
         self.totals[kind][0] += 1
-        self.totals[kind][1] += time.perf_counter() - start
+        self.totals[kind][1] += seconds
         if kind == "prefill":
-            self.prefill_step_seconds.append(round(time.perf_counter() - start, 4))
+            self.prefill_step_seconds.append(round(seconds, 4))
         else:
             bucket = self.by_batch[_batch_bucket(self.llm.last_step.decode_tokens)]
             bucket[0] += 1
-            bucket[1] += time.perf_counter() - start
+            bucket[1] += seconds
+            bucket[2] += floor or 0.0
         return result
 
     def report(self) -> dict:
+        def bucket(n: int, t: float, floor: float) -> dict:
+            row = {"steps": n, "seconds": round(t, 3), "ms_per_step": round(1e3 * t / n, 2)}
+            if self.roofline is not None:
+                row |= {"floor_ms_per_step": round(1e3 * floor / n, 2), "floor_fraction": round(floor / t, 3)}
+            return row
+
         return {f"{kind}_steps": count for kind, (count, _) in self.totals.items()} | {
             f"{kind}_step_seconds": round(seconds, 3) for kind, (_, seconds) in self.totals.items()} | {
             "each_prefill_step_seconds": self.prefill_step_seconds,
-            "decode_steps_by_batch": {b: {"steps": n, "seconds": round(t, 3), "ms_per_step": round(1e3 * t / n, 2)}
-                                      for b, (n, t) in sorted(self.by_batch.items(), key=lambda kv: int(
-                                          kv[0].split("-")[0]))}}
+            "decode_steps_by_batch": {b: bucket(*v) for b, v in sorted(self.by_batch.items(), key=lambda kv: int(
+                kv[0].split("-")[0]))}}
 
     def close(self) -> None:
         self.llm.step = self._step
@@ -231,6 +264,9 @@ def main() -> None:
     parser.add_argument("--out", default="results/throughput.json")
     args = parser.parse_args()
 
+    # this card's ceilings, before the engine takes its memory (None off CUDA); the workloads' recorded ceilings
+    # are an H200's
+    card_copy, card_flops = measured_copy_bandwidth(), measured_matmul_flops()
     llm = LLM(args.model, load_format="dummy", enforce_eager=args.enforce_eager,
               cudagraph_mode=args.cudagraph_mode, tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -244,11 +280,12 @@ def main() -> None:
     llm.generate(warm_prompts, [SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)] * 32,
                  use_tqdm=False)
 
+    roofline = Roofline(llm)
     results = []
     for name in args.workload:
         prompts, params = workload(name, args.num_requests)
         profiler = StepProfiler(llm) if args.profile else None
-        timer = StepTimer(llm)
+        timer = StepTimer(llm, roofline, card_copy or H200_COPY_BANDWIDTH)
         kernel_profiler = start_kernel_profiler() if args.kernel_profile else None
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -257,8 +294,13 @@ def main() -> None:
         if kernel_profiler is not None:
             report_kernel_profile(kernel_profiler)
         generated = sum(len(o.token_ids) for o in outputs)
-        memory, compute = roofline_seconds(llm, prompts, params)
-        ceiling = generated / (memory + compute)
+        ceiling = generated / sum(roofline.seconds(prompts, params, H200_COPY_BANDWIDTH, H200_MATMUL_FLOPS))
+        card = {}
+        if card_copy and card_flops:
+            card_ceiling = generated / sum(roofline.seconds(prompts, params, card_copy, card_flops))
+            card = dict(card_copy_tbps=round(card_copy / 1e12, 2), card_matmul_tflops=round(card_flops / 1e12, 1),
+                        card_ceiling_tok_s=round(card_ceiling, 1),
+                        fraction_of_card_ceiling=round(generated / seconds / card_ceiling, 3))
         row = dict(workload=name, requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
                    output_tokens=generated, seconds=round(seconds, 3), output_tok_s=round(generated / seconds, 1),
                    ceiling_tok_s=round(ceiling, 1), fraction_of_ceiling=round(generated / seconds / ceiling, 3),
@@ -268,22 +310,28 @@ def main() -> None:
                    slice_sampling=args.tensor_parallel_size > 1 and not args.gather_logits,
                    preemptions=llm.scheduler.stats.num_preemptions, kv_blocks=llm.num_kvcache_blocks,
                    async_scheduling=llm.async_scheduling, model=os.path.basename(os.path.normpath(args.model)),
-                   **timer.report())
+                   **card, **timer.report())
         if profiler:
             row["profile_seconds"] = profiler.report(seconds)
         results.append(row)
 
-    header = f"{'workload':<9}{'requests':>9}{'prompt tok':>12}{'output tok':>12}{'seconds':>9}{'out tok/s':>11}{'ceiling':>9}{'fraction':>9}"
+    header = (f"{'workload':<9}{'requests':>9}{'prompt tok':>12}{'output tok':>12}{'seconds':>9}{'out tok/s':>11}"
+              f"{'H200 ceiling':>14}{'fraction':>9}{'card ceiling':>14}{'fraction':>9}")
     print(header)
     for r in results:
         print(f"{r['workload']:<9}{r['requests']:>9}{r['prompt_tokens']:>12}{r['output_tokens']:>12}{r['seconds']:>9.2f}"
-              f"{r['output_tok_s']:>11,.0f}{r['ceiling_tok_s']:>9,.0f}{r['fraction_of_ceiling']:>9.2f}")
+              f"{r['output_tok_s']:>11,.0f}{r['ceiling_tok_s']:>14,.0f}{r['fraction_of_ceiling']:>9.2f}"
+              f"{r.get('card_ceiling_tok_s', float('nan')):>14,.0f}{r.get('fraction_of_card_ceiling', float('nan')):>9.2f}")
+        if "card_copy_tbps" in r:
+            print(f"{'':<9}this card: copy {r['card_copy_tbps']} TB/s, bf16 matmul {r['card_matmul_tflops']} TFLOP/s "
+                  f"(the H200 ceiling's: {H200_COPY_BANDWIDTH / 1e12} TB/s, {H200_MATMUL_FLOPS / 1e12:.0f} TFLOP/s)")
         print(f"{'':<9}steps with prefill: {r['prefill_steps']} in {r['prefill_step_seconds']:.2f} s; "
               f"decode-only: {r['decode_steps']} in {r['decode_step_seconds']:.2f} s; "
               f"async scheduling {'on' if r['async_scheduling'] else 'off'}; each step with prefill (s): "
               f"{r['each_prefill_step_seconds']}")
         print(f"{'':<9}decode-only steps by batch size: " + "; ".join(
-            f"{b}: {d['steps']} x {d['ms_per_step']} ms" for b, d in r["decode_steps_by_batch"].items()))
+            f"{b}: {d['steps']} x {d['ms_per_step']} ms (floor {d['floor_ms_per_step']})"
+            for b, d in r["decode_steps_by_batch"].items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
