@@ -15,8 +15,9 @@ joined by "+":
 - no_norms: no RMSNorm kernel (the decoder's norms return their input);
 - plan_for_context: the graphs planned for the longest --contexts + --steps keys instead of --max-model-len (the
   split plan a graph per context bucket would give);
-- min_split=N, max_splits=N, tile=N, stages=N, warps=N: the decode split plan's shortest split (keys) or most
-  splits, or the split kernel's key tile, pipeline stages or warps, set to N (these compute the right values).
+- min_split=N, max_splits=N, programs_per_sm=N, tile=N, stages=N, warps=N: the decode split plan's shortest split
+  (keys), most splits or programs aimed for per SM, or the split kernel's key tile, pipeline stages or warps, set
+  to N (these compute the right values).
 
     python benchmarks/decode_ablation.py --batch-sizes 1 8 --contexts 512 2048 --rounds 2
     python benchmarks/decode_ablation.py --variants main min_split=64 min_split=64+plan_for_context
@@ -42,7 +43,7 @@ from decode_step import DEFAULT_MODEL, kernel_table, time_on_device  # noqa: E40
 from nanovllm import LLM  # noqa: E402
 
 PARTS = ("main", "no_rope_store", "one_split", "no_attention", "no_norms", "plan_for_context", "min_split=N",
-         "max_splits=N", "tile=N", "stages=N", "warps=N")
+         "max_splits=N", "programs_per_sm=N", "tile=N", "stages=N", "warps=N")
 
 
 def _leave_out_rope_store(stack, rope_module):
@@ -93,6 +94,8 @@ def variant_in_place(variant: str) -> contextlib.ExitStack:
             stack.enter_context(mock.patch.object(decode_module, "MIN_TOKENS_PER_SPLIT", int(value)))
         elif name == "max_splits":
             stack.enter_context(mock.patch.object(decode_module, "MAX_SPLITS", int(value)))
+        elif name == "programs_per_sm":  # the split plan's aim (more splits at a given batch)
+            stack.enter_context(mock.patch.object(decode_module, "PROGRAMS_PER_SM", int(value)))
         elif name in ("tile", "stages", "warps"):
             field = {"tile": "block_n", "stages": "num_stages", "warps": "num_warps"}[name]
             _decode_config_with(stack, decode_module, **{field: int(value)})
