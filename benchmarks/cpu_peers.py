@@ -65,7 +65,10 @@ def config_label(engine_args: str) -> str:
 def run_nanovllm(args, prompts: list[list[int]], engine_args: str) -> dict:
     import resource
 
+    import torch
+
     from nanovllm import LLM, SamplingParams
+    from nanovllm.platforms.cpu import cpu_ops
 
     llm = LLM(args.model, **json.loads(engine_args))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -91,8 +94,13 @@ def run_nanovllm(args, prompts: list[list[int]], engine_args: str) -> dict:
         return sum(len(o.token_ids) for o in outs), time.perf_counter() - start
 
     runner = getattr(llm.runner, "runner", llm.runner)
-    info = {"dtype": str(runner.dtype), "threads": __import__("torch").get_num_threads(),
-            "block_size": llm.config.kvcache_block_size}
+    ops = cpu_ops.load()
+    # what this build runs, which the machine's flags do not say (a library built with -mno-avx512f, torch with
+    # ATEN_CPU_CAPABILITY=avx2 on an AVX512 machine)
+    info = {"dtype": str(runner.dtype), "threads": torch.get_num_threads(),
+            "block_size": llm.config.kvcache_block_size,
+            "block_kernel": cpu_ops.BLOCKS_SIMD[ops.linear_blocks_simd()] if ops is not None else None,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
     name = "nanovllm" + (f" [{config_label(engine_args)}]" if len(args.engine_args) > 1 else "")
     return {"name": name, "parts": {f"{name} single": single, f"{name} {args.num_concurrent} concurrent": concurrent},
             "info": info, "maxrss": lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
