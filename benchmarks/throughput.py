@@ -83,11 +83,12 @@ class Roofline:
         # fp8: the linear layers' (the LM head stays 16-bit)
         self.weight_bytes = 1 if llm.config.quantization == "fp8" else 2
 
-    def step_bytes(self, context_lens: list[int]) -> float:
-        """Bytes a decode step of requests with these contexts reads: its weights and their K/V."""
-        hit = expected_experts_hit(self.num_experts, self.top_k, len(context_lens)) if self.expert_layers else 0
+    def step_bytes(self, requests: int, context_tokens: int) -> float:
+        """Bytes a decode step of `requests` requests with `context_tokens` tokens of context in all reads: its
+        weights (in a sparse layer, the experts they pick) and their K/V."""
+        hit = expected_experts_hit(self.num_experts, self.top_k, requests) if self.expert_layers else 0
         weights = self.dense_params + self.expert_layers * hit * self.per_expert
-        return weights * self.weight_bytes + sum(context_lens) * self.kv_bytes
+        return weights * self.weight_bytes + context_tokens * self.kv_bytes
 
     def seconds(self, prompts, params, bandwidth: float, flops: float) -> tuple[float, float]:
         """(memory floor, compute floor) of a workload in seconds at the given bandwidth (bytes/s) and bf16 FLOP/s
@@ -98,7 +99,7 @@ class Roofline:
         weight_reads = 0.0
         for step in range(lengths[-1]):  # all requests fit at once on the card; those still running read weights
             running = len(lengths) - next((i for i, n in enumerate(lengths) if n > step), len(lengths))
-            weight_reads += self.step_bytes([0] * running)
+            weight_reads += self.step_bytes(running, 0)
         memory = (kv_reads * self.kv_bytes + weight_reads) / (bandwidth * self.gpus)
         tokens = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
         active_params = self.dense_params + self.expert_layers * self.top_k * self.per_expert
@@ -179,7 +180,8 @@ class StepTimer:
     def step(self):
         floor = None
         if self.roofline is not None:
-            floor = self.roofline.step_bytes([len(s) for s in self.llm.scheduler.running]) / (
+            running = self.llm.scheduler.running
+            floor = self.roofline.step_bytes(len(running), sum(map(len, running))) / (
                 self.bandwidth * self.roofline.gpus)
         start = time.perf_counter()
         result = self._step()

@@ -28,8 +28,8 @@ def test_step_bytes_are_the_weights_and_the_contexts_kv(llm):
     if not model.tie_word_embeddings:
         weights -= model.model.embed_tokens.weight.numel()
     assert roofline.kv_bytes == kv_bytes > 10
-    assert roofline.step_bytes([10, 20]) == weights * 2 + 30 * kv_bytes
-    assert roofline.step_bytes([]) == weights * 2
+    assert roofline.step_bytes(2, 30) == weights * 2 + 30 * kv_bytes
+    assert roofline.step_bytes(0, 0) == weights * 2
 
 
 def test_each_decode_step_gets_the_floor_of_the_contexts_it_starts_with(llm):
@@ -46,7 +46,7 @@ def test_each_decode_step_gets_the_floor_of_the_contexts_it_starts_with(llm):
     # one prefill step (it gives each request its first token), then three decode steps over 6, 7 and 8 tokens
     assert report["prefill_steps"] == 1 and report["decode_steps"] == 3
     bucket = report["decode_steps_by_batch"]["1-8"]
-    expected = sum(roofline.step_bytes([n, n]) for n in (6, 7, 8)) / bandwidth / 3
+    expected = sum(roofline.step_bytes(2, 2 * n) for n in (6, 7, 8)) / bandwidth / 3
     assert bucket["floor_ms_per_step"] == pytest.approx(1e3 * expected, abs=0.006)
     assert bucket["floor_fraction"] == pytest.approx(bucket["floor_ms_per_step"] / bucket["ms_per_step"], rel=0.05)
     assert llm.step != timer.step  # closed: the engine's own step again
