@@ -116,10 +116,14 @@ def graph_ms(variant: str, args) -> dict:
         row = {"variant": variant}
         for batch in args.batch_sizes:
             size = next(s for s in graphs.sizes if s >= batch)
-            # distinct blocks for every request, as a real batch has (one block for all would be read from L2)
+            # distinct blocks for every request's keys, as a real batch has (shared blocks would be read from L2)
             blocks = graphs.block_tables.shape[1]
-            graphs.block_tables[:size] = torch.arange(size * blocks, dtype=torch.int32,
-                                                      device="cuda").view(size, blocks) % runner.num_kvcache_blocks
+            used = min(blocks, -(-max(args.contexts) // llm.config.kvcache_block_size))
+            if size * used > runner.num_kvcache_blocks:
+                raise SystemExit(f"{size} requests x {used} blocks of keys need more than the pool's "
+                                 f"{runner.num_kvcache_blocks} blocks: fewer requests or shorter --contexts")
+            graphs.block_tables[:size] = 0
+            graphs.block_tables[:size, :used] = torch.arange(size * used, dtype=torch.int32, device="cuda").view(size, used)
             graphs.slot_mapping[:size].fill_(-1)  # write no K/V
             graph = graphs.graphs[size]
             for context in args.contexts:
