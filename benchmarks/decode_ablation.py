@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from decode_step import DEFAULT_MODEL, kernel_table, time_on_device  # noqa: E402
+from decode_step import DEFAULT_MODEL, distinct_key_blocks, kernel_table, time_on_device  # noqa: E402
 
 from nanovllm import LLM  # noqa: E402
 
@@ -116,14 +116,7 @@ def graph_ms(variant: str, args) -> dict:
         row = {"variant": variant}
         for batch in args.batch_sizes:
             size = next(s for s in graphs.sizes if s >= batch)
-            # distinct blocks for every request's keys, as a real batch has (shared blocks would be read from L2)
-            blocks = graphs.block_tables.shape[1]
-            used = min(blocks, -(-max(args.contexts) // llm.config.kvcache_block_size))
-            if size * used > runner.num_kvcache_blocks:
-                raise SystemExit(f"{size} requests x {used} blocks of keys need more than the pool's "
-                                 f"{runner.num_kvcache_blocks} blocks: fewer requests or shorter --contexts")
-            graphs.block_tables[:size] = 0
-            graphs.block_tables[:size, :used] = torch.arange(size * used, dtype=torch.int32, device="cuda").view(size, used)
+            distinct_key_blocks(llm, runner, size, max(args.contexts))
             graphs.slot_mapping[:size].fill_(-1)  # write no K/V
             graph = graphs.graphs[size]
             for context in args.contexts:

@@ -4,8 +4,8 @@ For each batch size B: B random prompts of --context tokens decode together (gre
 and the script reports
 - engine ms/step: wall time of the engine's decode-only steps (host planning + device, as a user sees them);
 - in-engine graph ms: the device time of the decode graph inside those steps (CUDA events around each replay);
-- graph ms: the decode graph of that batch replayed alone, back to back, at --context keys and without K/V
-  stores (at 256 requests this has read faster than the same graph inside the engine: compare the two);
+- graph ms: the decode graph of that batch replayed alone, back to back, at --context keys in distinct blocks
+  (distinct_key_blocks) and without K/V stores;
 - head ms: LM head + sampler on B rows, alone (device time);
 - kernels: the kernels one graph replay launches, and the costliest by device time (torch.profiler).
 engine - (in-engine graph + head) is what the device waits for the host. JSON to --out. --host-profile runs
@@ -127,6 +127,19 @@ def kernel_table(fn, top: int) -> tuple[int, list[dict]]:
     return count, [{"kernel": name[:90], "calls": n, "us": round(us, 1)} for name, (n, us) in rows]
 
 
+def distinct_key_blocks(llm: LLM, runner, size: int, context: int) -> None:
+    """Give the first `size` rows of the decode graphs' block tables distinct blocks for `context` keys each, as a
+    real batch has (rows left sharing blocks read part of their keys from L2 and flatter the graph)."""
+    graphs = runner.graphs
+    used = min(graphs.block_tables.shape[1], -(-context // llm.config.kvcache_block_size))
+    if size * used > runner.num_kvcache_blocks:
+        raise SystemExit(f"{size} requests x {used} blocks of keys need more than the pool's "
+                         f"{runner.num_kvcache_blocks} blocks: fewer requests or shorter contexts")
+    graphs.block_tables[:size] = 0
+    graphs.block_tables[:size, :used] = torch.arange(size * used, dtype=torch.int32,
+                                                     device=graphs.block_tables.device).view(size, used)
+
+
 def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, engine_graph_ms: float, args) -> dict:
     """The decode graph of `batch` rows, the LM head + sampler, and the eager forward, each alone on the device."""
     from nanovllm.layers.sampler import SamplingTensors
@@ -134,6 +147,7 @@ def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, engine_grap
     graphs = runner.graphs
     parts = {}
     size = next(s for s in graphs.sizes if s >= batch)
+    distinct_key_blocks(llm, runner, size, args.context)
     graphs.seq_lens[:batch].fill_(args.context)
     graphs.slot_mapping[:size].fill_(-1)  # write no KV
     graph = graphs.graphs[size]
