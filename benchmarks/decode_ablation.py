@@ -116,7 +116,7 @@ def graph_ms(variant: str, args) -> dict:
         row = {"variant": variant}
         for batch in args.batch_sizes:
             size = next(s for s in graphs.sizes if s >= batch)
-            distinct_key_blocks(llm, runner, size, max(args.contexts))
+            distinct_key_blocks(runner, size, max(args.contexts))
             graphs.slot_mapping[:size].fill_(-1)  # write no K/V
             graph = graphs.graphs[size]
             for context in args.contexts:

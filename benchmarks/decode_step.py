@@ -127,11 +127,11 @@ def kernel_table(fn, top: int) -> tuple[int, list[dict]]:
     return count, [{"kernel": name[:90], "calls": n, "us": round(us, 1)} for name, (n, us) in rows]
 
 
-def distinct_key_blocks(llm: LLM, runner, size: int, context: int) -> None:
+def distinct_key_blocks(runner, size: int, context: int) -> None:
     """Give the first `size` rows of the decode graphs' block tables distinct blocks for `context` keys each, as a
     real batch has (rows left sharing blocks read part of their keys from L2 and flatter the graph)."""
     graphs = runner.graphs
-    used = min(graphs.block_tables.shape[1], -(-context // llm.config.kvcache_block_size))
+    used = min(graphs.block_tables.shape[1], -(-context // runner.block_size))
     if size * used > runner.num_kvcache_blocks:
         raise SystemExit(f"{size} requests x {used} blocks of keys need more than the pool's "
                          f"{runner.num_kvcache_blocks} blocks: fewer requests or shorter contexts")
@@ -147,7 +147,7 @@ def device_breakdown(llm: LLM, runner, batch: int, engine_ms: float, engine_grap
     graphs = runner.graphs
     parts = {}
     size = next(s for s in graphs.sizes if s >= batch)
-    distinct_key_blocks(llm, runner, size, args.context)
+    distinct_key_blocks(runner, size, args.context)
     graphs.seq_lens[:batch].fill_(args.context)
     graphs.slot_mapping[:size].fill_(-1)  # write no KV
     graph = graphs.graphs[size]
