@@ -1,5 +1,6 @@
 """Triton helpers for e4m3: the rounding the fp8 KV cache stores with (its format is described in
-attention/kv_fp8.py), and the rows of activations quantized with a scale each for fp8 linear layers."""
+attention/kv_fp8.py), and the rows of activations quantized with a scale each for fp8 linear layers (plain, or
+SwiGLU's silu(gate) * up computed and quantized in the same kernel)."""
 
 from __future__ import annotations
 
@@ -87,4 +88,62 @@ def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = min(triton.next_power_of_2(max(cols, 16)), 4096)
         _quantize_rows_kernel[(rows,)](x, out, scale, cols, x.stride(0), out.stride(0), BLOCK=block,
                                        num_warps=4 if block <= 2048 else 8)
+    return out, scale
+
+
+@triton.jit
+def _round_to_bfloat16(x):
+    """float32 -> the nearest bfloat16 (ties to even), still float32: in integer arithmetic, because the Triton
+    interpreter's cast truncates."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _silu_and_mul_row(x_ptr, row_offset, cols, start, offsets):
+    """silu(gate) * up for one block of a packed [gate | up] row, in float32, rounded to x's dtype as the
+    unfused activation (layers/activation.py) stores it."""
+    mask = start + offsets < cols
+    gate = tl.load(x_ptr + row_offset + start + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row_offset + cols + start + offsets, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        y = _round_to_bfloat16(y)
+    else:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return y, mask
+
+
+@triton.jit
+def _silu_and_mul_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    """One program per row: the activation's largest magnitude, then the activation (computed again: its inputs
+    are still in cache) divided by max / 448 and rounded to e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    largest = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, cols, BLOCK):
+        y, mask = _silu_and_mul_row(x_ptr, row * stride_x, cols, start, offsets)
+        largest = tl.maximum(largest, tl.abs(y))
+    scale = tl.maximum(tl.max(largest, 0) / FP8_MAX, MIN_ROW_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, cols, BLOCK):
+        y, mask = _silu_and_mul_row(x_ptr, row * stride_x, cols, start, offsets)
+        tl.store(out_ptr + row * stride_out + start + offsets, to_e4m3(y / scale, 1.0).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def silu_and_mul_quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, 2 * cols] packed [gate | up] (unit stride) -> quantize_rows_e4m3(silu(gate) * up), one kernel: the
+    activation never goes through memory in 16 bits. The numbers of layers/quantization/fp8's
+    silu_and_mul_quantize_rows, up to the last bit of exp."""
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0, (
+        f"silu_and_mul_quantize_rows_e4m3 takes packed [gate | up] rows with unit stride, got {tuple(x.shape)}")
+    rows, cols = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(triton.next_power_of_2(max(cols, 16)), 2048)
+        _silu_and_mul_quantize_rows_kernel[(rows,)](x, out, scale, cols, x.stride(0), out.stride(0), BLOCK=block,
+                                                    num_warps=4 if block <= 1024 else 8)
     return out, scale

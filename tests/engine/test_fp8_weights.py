@@ -7,7 +7,14 @@ import torch
 
 from nanovllm.config import EngineConfig
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.layers.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, quantize_linear_layers, quantize_rows
+from nanovllm.layers.quantization.fp8 import (
+    FP8_DTYPE,
+    Fp8LinearMethod,
+    QuantizedRows,
+    quantize_linear_layers,
+    quantize_rows,
+    silu_and_mul_quantize_rows,
+)
 
 
 def _layer(in_features: int, out_features: int, bias: bool) -> ReplicatedLinear:
@@ -47,6 +54,22 @@ def test_fp8_linear_is_close_to_the_float_one(bias: bool) -> None:
     wq = method.weight.float() * method.weight_scale.view(-1, 1)
     formula = (xq.float() * xs) @ wq.t() + (layer.bias if bias else 0)
     torch.testing.assert_close(out.reshape(-1, 48), formula, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_rows_are_multiplied_as_they_are() -> None:
+    """down_proj takes the e4m3 rows and scales SwiGLU's fused kernel hands it, without quantizing them again."""
+    layer = _layer(64, 48, False)
+    quantize_linear_layers(layer)
+    gate_up = torch.randn(7, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    values, scale = silu_and_mul_quantize_rows(gate_up)
+    out = layer(QuantizedRows(values, scale, torch.bfloat16))
+    weight = layer.linear_method.weight.float() * layer.linear_method.weight_scale.view(-1, 1)
+    assert out.dtype == torch.bfloat16 and out.shape == (7, 48)
+    torch.testing.assert_close(out, ((values.float() * scale) @ weight.t()).to(torch.bfloat16))
+    # the reference's activation is that of layers/activation.py, rounded to bfloat16, then quantized
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(QuantizedRows(values, scale, torch.bfloat16).materialize().float(),
+                               (torch.nn.functional.silu(gate.float()) * up.float()), rtol=0.07, atol=1e-3)
 
 
 def test_unknown_quantization_is_refused() -> None:
@@ -94,3 +117,28 @@ def test_decode_sized_batches_take_the_few_row_gemm(fp8_activations: bool, monke
         weight = method.weight.float() * method.weight_scale.view(-1, 1)
         reference = (x.float() @ weight.t() + layer.bias.float()).to(x.dtype)
     torch.testing.assert_close(out, reference, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_swiglu_quantizes_its_activation_in_one_kernel() -> None:
+    """Above decode-sized batches an fp8 MLP's gate_up hands down_proj QuantizedRows (silu * up quantized by one
+    kernel); the MLP's output is that of the unfused reference path."""
+    from types import SimpleNamespace
+
+    from nanovllm.models.decoder import DecoderMLP
+    torch.manual_seed(0)
+    mlp = DecoderMLP(SimpleNamespace(hidden_size=256, intermediate_size=512, hidden_act="silu"))
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.data = torch.randn_like(layer.weight) * 0.05
+    mlp = mlp.cuda().to(torch.bfloat16)
+    quantize_linear_layers(mlp)
+    x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
+    handed = mlp.gate_up_proj.forward_silu_and_mul(x, mlp.act)
+    assert isinstance(handed, QuantizedRows) and handed.values.shape == (200, 512)
+    out = mlp(x)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.linear_method.scaled_mm = False
+    reference = mlp(x)
+    torch.testing.assert_close(out, reference, rtol=2e-2, atol=5e-2)
+    assert (out.float() - reference.float()).abs().mean() < 5e-3

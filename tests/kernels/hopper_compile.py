@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 from nanovllm.kernels import (
     decode_attention,
     fp8_block_gemm,
+    fp8_gemm,
     fused_moe,
     prefill_attention,
     rms_norm,
@@ -31,7 +32,7 @@ from nanovllm.kernels import (
     skinny_gemm,
     store_kvcache,
 )
-from nanovllm.kernels.fp8 import _quantize_rows_kernel
+from nanovllm.kernels.fp8 import _quantize_rows_kernel, _silu_and_mul_quantize_rows_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"eps", "scale_log2", "v_scale", "k_inv_scale", "v_inv_scale"}
@@ -147,11 +148,23 @@ def cases():
                dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=cache != "*bf16"), dict(num_warps=4))
     yield ("fp8 rows quantized", _quantize_rows_kernel, dict(x_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"),
            dict(BLOCK=1024), dict(num_warps=4))
+    for dtype in ("*bf16", "*fp16"):
+        yield (f"fp8 SwiGLU rows quantized, {dtype}", _silu_and_mul_quantize_rows_kernel,
+               dict(x_ptr=dtype, out_ptr="*fp8e4nv", scale_ptr="*fp32"), dict(BLOCK=2048), dict(num_warps=8))
     yield from sampling_cases()
     yield from moe_cases()
     yield ("fp8 block-scaled GEMM", fp8_block_gemm._block_fp8_gemm_kernel,
            dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", y_ptr="*bf16", x_scale_ptr="*fp32", w_scale_ptr="*fp32"),
            dict(GROUP_K=128, BLOCK_M=16, BLOCK_N=fp8_block_gemm.BLOCK_N, UPCAST=False), dict(num_warps=4, num_stages=3))
+    for tma in (True, False):
+        pointers = dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", y_ptr="*bf16", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                        bias_ptr="*bf16")
+        constexprs = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, TMA=tma, HAS_BIAS=True, UPCAST=False)
+        if tma:
+            pointers.update(x_desc="tensordesc<fp8e4nv[64,128]>", w_desc="tensordesc<fp8e4nv[128,128]>")
+        else:
+            constexprs.update(x_desc=None, w_desc=None)
+        yield f"fp8 GEMM, tma {tma}", fp8_gemm._fp8_gemm_kernel, pointers, constexprs, dict(num_warps=4, num_stages=4)
     yield ("decode reduce", decode_attention._decode_reduce_kernel,
            dict(partial_max_ptr="*fp32", partial_sum_ptr="*fp32", partial_acc_ptr="*fp32", out_ptr="*bf16"),
            dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_SPLITS=16, OVERLAP=True), dict(num_warps=4))

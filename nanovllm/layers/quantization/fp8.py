@@ -4,7 +4,8 @@ torch._scaled_mm on CUDA (Hopper's fp8 tensor cores, twice the bf16 rate) or, el
 numbers dequantized (the reference the tests run on the CPU). On CUDA the activations are quantized by one Triton
 kernel (kernels/fp8.py); decode-sized batches (up to 16 rows) multiply their 16-bit activations, unquantized, in the
 few-row GEMM (kernels/skinny_gemm.py), which upcasts the e4m3 weight as it reads it and, for SwiGLU's gate_up,
-applies SiLU-and-mul in the same kernel.
+applies SiLU-and-mul in the same kernel. Larger batches compute SwiGLU's silu(gate) * up and quantize it for
+down_proj in one kernel: gate_up hands down_proj QuantizedRows, not 16-bit rows.
 
     w_fp8[n, k] = round_e4m3(w[n, k] / w_scale[n]),  w_scale[n] = max_k |w[n, k]| / 448
     x_fp8[m, k] = round_e4m3(x[m, k] / x_scale[m]),  x_scale[m] = max_k |x[m, k]| / 448
@@ -13,7 +14,10 @@ applies SiLU-and-mul in the same kernel.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear_method import UNQUANTIZED, LinearMethod
@@ -28,6 +32,33 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, cols] float -> (e4m3 [rows, cols], float32 scale [rows, 1]): a symmetric scale per row."""
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_SCALE)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def silu_and_mul_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(silu(gate) * up) of packed [gate | up] rows, the activation rounded to x's dtype first (the
+    reference of kernels/fp8.silu_and_mul_quantize_rows_e4m3)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return quantize_rows((F.silu(gate) * up).to(x.dtype))
+
+
+class QuantizedRows(NamedTuple):
+    """Rows already in e4m3 with a scale each, standing for rows of ``dtype``: what an fp8 gate_up hands to
+    down_proj, whose own quantizing kernel it saves."""
+
+    values: torch.Tensor  # [rows, cols] e4m3
+    scale: torch.Tensor   # [rows, 1] float32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.values.is_cuda
+
+    def materialize(self) -> torch.Tensor:
+        return (self.values.float() * self.scale).to(self.dtype)
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -47,6 +78,8 @@ class Fp8LinearMethod(LinearMethod):
     # quantizing kernel, and the more exact), True e4m3 activations (the numbers of _scaled_mm); the H200's
     # figures for both are in docs/benchmarks.md
     few_row_fp8_activations = False
+    # the row counts whose product runs in our Triton GEMM (kernels/fp8_gemm.py) rather than cuBLAS's
+    triton_gemm_rows = (17, 512)
 
     def _few_rows(self, rows: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor | None:
         """The product in the few-row GEMM when it takes these rows (CUDA, decode-sized), else None."""
@@ -63,34 +96,48 @@ class Fp8LinearMethod(LinearMethod):
                                          x_scale=x_scale, out_dtype=rows.dtype)
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                           act: nn.Module) -> torch.Tensor:
+                           act: nn.Module) -> torch.Tensor | QuantizedRows:
         if isinstance(x, torch.Tensor) and x.dim() == 2:
             y = self._few_rows(x, bias, gated=True)
             if y is not None:
                 return y
-        return act(self.apply(layer, x, bias))
+        gate_up = self.apply(layer, x, bias)
+        if self.scaled_mm and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            from nanovllm.kernels.fp8 import silu_and_mul_quantize_rows_e4m3
+            return QuantizedRows(*silu_and_mul_quantize_rows_e4m3(gate_up), gate_up.dtype)
+        return act(gate_up)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):  # rows with their scale apart (platforms/cpu/row_scale.RowScaled)
-            x = x.materialize()
+    def _quantized(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+        """x's rows [rows, in_features] in e4m3, their scales and the dtype they stand for."""
+        if isinstance(x, QuantizedRows):
+            return x.values, x.scale, x.dtype
         rows = x.reshape(-1, self.in_features)
-        y = self._few_rows(rows, bias, gated=False) if rows.stride(-1) == 1 else None
-        if y is not None:
-            return y.view(*x.shape[:-1], self.out_features)
-        if x.is_cuda and rows.stride(-1) == 1:
+        if rows.is_cuda and rows.stride(-1) == 1:
             from nanovllm.kernels.fp8 import quantize_rows_e4m3
-            x_fp8, x_scale = quantize_rows_e4m3(rows)
-        else:
-            x_fp8, x_scale = quantize_rows(rows)
-        if self.scaled_mm:
+            return *quantize_rows_e4m3(rows), x.dtype
+        return *quantize_rows(rows), x.dtype
+
+    def apply(self, layer: nn.Module, x, bias: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(x, (torch.Tensor, QuantizedRows)):  # rows with their scale apart (cpu's RowScaled)
+            x = x.materialize()
+        if isinstance(x, torch.Tensor):
+            rows = x.reshape(-1, self.in_features)
+            y = self._few_rows(rows, bias, gated=False) if rows.stride(-1) == 1 else None
+            if y is not None:
+                return y.view(*x.shape[:-1], self.out_features)
+        x_fp8, x_scale, dtype = self._quantized(x)
+        if self.scaled_mm and self.triton_gemm_rows[0] <= x_fp8.shape[0] <= self.triton_gemm_rows[1]:
+            from nanovllm.kernels.fp8_gemm import fp8_linear
+            y = fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale_rows, bias, dtype)
+        elif self.scaled_mm:
             # weight.t(): [in, out] column-major, the layout _scaled_mm wants for its second operand
             y = torch._scaled_mm(x_fp8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                                 bias=bias, out_dtype=x.dtype)
+                                 bias=bias, out_dtype=dtype)
         else:
             y = (x_fp8.float() * x_scale) @ (self.weight.float() * self.weight_scale.view(-1, 1)).t()
             if bias is not None:
                 y = y + bias.float()
-            y = y.to(x.dtype)
+            y = y.to(dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -1,0 +1,52 @@
+"""The per-channel-scaled fp8 GEMM (kernels/fp8_gemm.py) against the formula it computes and torch._scaled_mm's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nanovllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear  # noqa: E402
+from nanovllm.layers.quantization.fp8 import quantize_rows  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(m: int, n: int, k: int):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]  # rows of different sizes
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n)[:, None]
+    (xq, xs), (wq, ws) = quantize_rows(x), quantize_rows(w)
+    bias = torch.randn(n, generator=g)
+    expected = (xq.float() * xs) @ (wq.float() * ws).t()
+    return [t.to(DEVICE) for t in (xq, xs, wq, ws.view(-1), bias, expected)]
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("m,n", [(40, 96), (16, 32), (3, 80)])  # ragged row and column tiles; fewer rows than a tile
+def test_fp8_linear_equals_the_formula(m, n, tma):
+    xq, xs, wq, ws, bias, expected = _operands(m, n, 256)
+    config = Fp8GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2, tma=tma)
+    y = fp8_linear(xq, xs, wq, ws, None, torch.float32, config)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    with_bias = fp8_linear(xq, xs, wq, ws, bias, torch.bfloat16, config)
+    assert with_bias.dtype == torch.bfloat16 and with_bias.shape == (m, n)
+    torch.testing.assert_close(with_bias, (expected + bias).to(torch.bfloat16))
+
+
+def test_fp8_linear_refuses_a_k_that_is_not_a_multiple_of_its_tile():
+    xq, xs, wq, ws, _, _ = _operands(8, 32, 96)
+    with pytest.raises(AssertionError, match="multiple of 64"):
+        fp8_linear(xq, xs, wq, ws, None, torch.float32, Fp8GemmConfig(block_m=16, block_n=32, block_k=64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [17, 128, 256, 500])
+def test_fp8_linear_matches_scaled_mm_at_the_layers_shapes(m):
+    xq, xs, wq, ws, bias, _ = _operands(m, 4096, 4096)
+    reference = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), bias=bias.bfloat16(),
+                                 out_dtype=torch.bfloat16)
+    y = fp8_linear(xq, xs, wq, ws, bias.bfloat16(), torch.bfloat16)
+    torch.testing.assert_close(y, reference, rtol=1e-2, atol=1e-2)
