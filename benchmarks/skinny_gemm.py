@@ -6,7 +6,8 @@ weight bytes read per second, with the default tiling and with it reading no wei
 kernel before (prefetch_k=0). --sweep tries tile configurations besides the default and reports the best.
 --fp8 compares, for quantization="fp8" (e4m3 weights, a scale per output row), the bf16 product the engine
 would run against: the activations quantized by torch ops or by the one-kernel quantizer, then
-torch._scaled_mm; and for up to 16 rows the few-row GEMM over the e4m3 weight with e4m3 or bf16 activations.
+torch._scaled_mm or our fp8 Triton GEMM (kernels/fp8_gemm.py; with --sweep, its tilings besides the default);
+and for up to 16 rows the few-row GEMM over the e4m3 weight with e4m3 or bf16 activations.
 
     python benchmarks/skinny_gemm.py --rows 1 8 16 --out results/skinny_gemm.json
     python benchmarks/skinny_gemm.py --sweep --out results/skinny_sweep.json
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanovllm.kernels.fp8 import quantize_rows_e4m3  # noqa: E402
+from nanovllm.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear  # noqa: E402
 from nanovllm.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, default_config, skinny_linear, takes  # noqa: E402
 from nanovllm.layers.quantization.fp8 import quantize_rows  # noqa: E402
 
@@ -83,6 +85,20 @@ def scaled_mm_product(x, weight, scale, gated, quantize):
     return y
 
 
+# tilings of the fp8 Triton GEMM that --fp8 --sweep tries: (block_m, block_n, block_k, warps, stages)
+FP8_GEMM_SWEEP = [(64, 64, 128, 4, 5), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 64, 128, 8, 5),
+                  (128, 128, 128, 8, 4), (128, 128, 64, 8, 5), (64, 256, 128, 8, 3), (128, 256, 128, 8, 3)]
+
+
+def triton_fp8_product(x, weight, scale, gated, config=None):
+    x_fp8, x_scale = quantize_rows_e4m3(x)
+    y = fp8_linear(x_fp8, x_scale, weight, scale.view(-1), None, x.dtype, config)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y
+
+
 def few_row_fp8_product(x, weight, scale, gated, fp8_activations, config=None):
     if not fp8_activations:
         return skinny_linear(x, weight, gated=gated, weight_scale=scale.view(-1), config=config)
@@ -104,13 +120,19 @@ def layer_weights(args, device):
         torch.cuda.empty_cache()
 
 
-def fp8_variants(x, weights, quantized, gated) -> dict:
+def fp8_variants(x, weights, quantized, gated, sweep: bool) -> dict:
     """label -> fn(layer index) of each way to run the product of x with one layer's weight."""
     variants = {
         "bf16": lambda i: bf16_product(x, weights[i], gated),
         "fp8 torch-quant + scaled_mm": lambda i: scaled_mm_product(x, *quantized[i], gated, quantize_rows),
         "fp8 kernel-quant + scaled_mm": lambda i: scaled_mm_product(x, *quantized[i], gated, quantize_rows_e4m3),
+        "fp8 kernel-quant + triton": lambda i: triton_fp8_product(x, *quantized[i], gated),
     }
+    for tiling in FP8_GEMM_SWEEP if sweep else ():
+        for tma in (True, False):
+            config = Fp8GemmConfig(*tiling, tma=tma)
+            variants[f"triton {tiling}{' tma' if tma else ''}"] = \
+                lambda i, c=config: triton_fp8_product(x, *quantized[i], gated, c)
     if x.shape[0] <= MAX_ROWS:
         variants["fp8 few-row, e4m3 x"] = lambda i: few_row_fp8_product(x, *quantized[i], gated, True)
         variants["fp8 few-row, bf16 x"] = lambda i: few_row_fp8_product(x, *quantized[i], gated, False)
@@ -130,7 +152,7 @@ def fp8_main(args, device) -> list[dict]:
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             expect = library(x, weights[0], gated)
-            variants = fp8_variants(x, weights, quantized, gated)
+            variants = fp8_variants(x, weights, quantized, gated, args.sweep)
             row = dict(shape=name, n=n, k=k, gated=gated, rows=m)
             for label, fn in variants.items():
                 try:
@@ -139,9 +161,14 @@ def fp8_main(args, device) -> list[dict]:
                     row[label] = round(graph_us(fn, layers), 2)
                 except Exception as error:
                     print(f"  {name} m={m} {label}: {type(error).__name__}: {str(error)[:160]}")
+            swept = {key: value for key, value in row.items() if key.startswith("triton (")}
+            if swept:
+                row["best triton tiling"] = min(swept, key=swept.get)
             results.append(row)
             print(f"{name:<13} m={m:<4} " + "  ".join(f"{key} {value:7.2f}" for key, value in row.items()
-                                                      if isinstance(value, float)), flush=True)
+                                                      if isinstance(value, float) and key not in swept)
+                  + (f"  best {row['best triton tiling']} {swept[row['best triton tiling']]:.2f}" if swept else ""),
+                  flush=True)
         quantized.clear()
     return results
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.jit import INTERPRETED
+from nanovllm.kernels.jit import INTERPRETED, num_sms
 
 
 @triton.jit
@@ -69,12 +69,18 @@ class Fp8GemmConfig:
     tma: bool = True
 
 
+def default_config(m: int, n: int, num_sms: int) -> Fp8GemmConfig:
+    """Tiles of 64 rows (one warpgroup's product) by 128 columns, or 64 columns where 128 would leave SMs idle."""
+    block_n = 128 if triton.cdiv(m, 64) * triton.cdiv(n, 128) >= num_sms else 64
+    return Fp8GemmConfig(block_m=64, block_n=block_n)
+
+
 def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype,
-               config: Fp8GemmConfig = Fp8GemmConfig()) -> torch.Tensor:
+               bias: torch.Tensor | None, out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """x_fp8 [M, K] (scale [M, 1]) times the e4m3 weight [N, K] (scale per row, N of them) -> [M, N] out_dtype."""
     m, k = x_fp8.shape
     n = weight.shape[0]
+    config = config or default_config(m, n, num_sms(x_fp8.device))
     assert weight.shape[1] == k and k % config.block_k == 0, \
         f"fp8_linear takes K a multiple of {config.block_k}; got x {tuple(x_fp8.shape)}, weight {tuple(weight.shape)}"
     assert x_fp8.stride(1) == 1 and weight.stride(1) == 1, "fp8_linear takes unit stride on K"
