@@ -69,6 +69,11 @@ class Fp8GemmConfig:
     tma: bool = True
 
 
+def takes(k: int) -> bool:
+    """Whether fp8_linear's default tiling takes an in_features of k (whole tiles of K)."""
+    return k % Fp8GemmConfig.block_k == 0
+
+
 def default_config(m: int, n: int, num_sms: int) -> Fp8GemmConfig:
     """Tiles of 64 rows (one warpgroup's product) by 128 columns, or 64 columns where 128 would leave SMs idle."""
     block_n = 128 if triton.cdiv(m, 64) * triton.cdiv(n, 128) >= num_sms else 64

@@ -72,6 +72,27 @@ def test_quantized_rows_are_multiplied_as_they_are() -> None:
                                (torch.nn.functional.silu(gate.float()) * up.float()), rtol=0.07, atol=1e-3)
 
 
+def test_the_triton_gemm_takes_its_rows_and_whole_k_tiles_only(monkeypatch) -> None:
+    """With a row range set, those products run in kernels/fp8_gemm.py (here under the interpreter) with the
+    numbers of the formula; an in_features that is not whole 128-wide tiles (SmolLM2's 576) stays in cuBLAS."""
+    pytest.importorskip("triton")
+    layer = _layer(256, 48, True)
+    quantize_linear_layers(layer)
+    method = layer.linear_method
+    assert not method._triton_gemm_takes(20)  # off by default; and no CUDA here
+    method.scaled_mm = True  # as on a GPU: the Triton path is then the only one this CPU can run
+    monkeypatch.setattr(Fp8LinearMethod, "triton_gemm_rows", (17, 512))
+    assert [method._triton_gemm_takes(rows) for rows in (16, 17, 512, 513)] == [False, True, True, False]
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(3))
+    xq, xs = quantize_rows(x)
+    formula = (xq.float() * xs) @ (method.weight.float() * method.weight_scale.view(-1, 1)).t() + layer.bias
+    torch.testing.assert_close(layer(x), formula, rtol=1e-4, atol=1e-4)
+    smol_width = _layer(576, 48, False)
+    quantize_linear_layers(smol_width)
+    smol_width.linear_method.scaled_mm = True
+    assert not smol_width.linear_method._triton_gemm_takes(20)
+
+
 def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4", device="cpu")

@@ -78,8 +78,15 @@ class Fp8LinearMethod(LinearMethod):
     # quantizing kernel, and the more exact), True e4m3 activations (the numbers of _scaled_mm); the H200's
     # figures for both are in docs/benchmarks.md
     few_row_fp8_activations = False
-    # the row counts whose product runs in our Triton GEMM (kernels/fp8_gemm.py) rather than cuBLAS's
-    triton_gemm_rows = (17, 512)
+    # the row counts whose product runs in our Triton GEMM (kernels/fp8_gemm.py) rather than cuBLAS's; None keeps
+    # every product in cuBLAS, until the Triton GEMM is measured faster on the card (benchmarks/skinny_gemm.py --fp8)
+    triton_gemm_rows: tuple[int, int] | None = None
+
+    def _triton_gemm_takes(self, rows: int) -> bool:
+        if not self.scaled_mm or self.triton_gemm_rows is None:
+            return False
+        from nanovllm.kernels.fp8_gemm import takes
+        return self.triton_gemm_rows[0] <= rows <= self.triton_gemm_rows[1] and takes(self.in_features)
 
     def _few_rows(self, rows: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor | None:
         """The product in the few-row GEMM when it takes these rows (CUDA, decode-sized), else None."""
@@ -126,7 +133,7 @@ class Fp8LinearMethod(LinearMethod):
             if y is not None:
                 return y.view(*x.shape[:-1], self.out_features)
         x_fp8, x_scale, dtype = self._quantized(x)
-        if self.scaled_mm and self.triton_gemm_rows[0] <= x_fp8.shape[0] <= self.triton_gemm_rows[1]:
+        if self._triton_gemm_takes(x_fp8.shape[0]):
             from nanovllm.kernels.fp8_gemm import fp8_linear
             y = fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale_rows, bias, dtype)
         elif self.scaled_mm:
