@@ -51,8 +51,16 @@ def test_fp8_linear_refuses_a_k_that_is_not_a_multiple_of_its_tile():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [17, 128, 256, 500])
 def test_fp8_linear_matches_scaled_mm_at_the_layers_shapes(m):
-    xq, xs, wq, ws, bias, _ = _operands(m, 4096, 4096)
+    """Both bf16 products against the exact formula: ours within bf16's rounding of each output plus a small share
+    of its terms' magnitudes (the order and width of fp8 tensor-core sums, which cuBLAS widens more often: its
+    mean error is ~0.8x ours), and within 1.5x of cuBLAS's mean error. (Against each other they differ by an ulp
+    of bf16 at 0.4 % of outputs.)"""
+    xq, xs, wq, ws, bias, expected = _operands(m, 4096, 4096)
+    exact = expected + bias.bfloat16().float()
     reference = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), bias=bias.bfloat16(),
                                  out_dtype=torch.bfloat16)
     y = fp8_linear(xq, xs, wq, ws, bias.bfloat16(), torch.bfloat16)
-    torch.testing.assert_close(y, reference, rtol=1e-2, atol=1e-2)
+    ours, library = (y.float() - exact).abs(), (reference.float() - exact).abs()
+    magnitudes = _rounding_bound(xq, xs, wq, ws) / (xq.shape[1] * torch.finfo(torch.float32).eps)
+    assert (ours <= 2 ** -8 * exact.abs() + 2 ** -11 * magnitudes).all()
+    assert ours.mean() <= 1.5 * library.mean() + 1e-6
