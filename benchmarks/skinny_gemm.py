@@ -157,7 +157,9 @@ def fp8_main(args, device) -> list[dict]:
             for label, fn in variants.items():
                 try:
                     error = ((fn(0).float() - expect.float()).norm() / expect.float().norm()).item()
-                    assert error < 0.05, f"relative error {error:.3f} against bf16"
+                    # a gated output multiplies two fp8 products (silu(gate) * up): about twice one product's error
+                    limit = 0.08 if gated else 0.05
+                    assert error < limit, f"relative error {error:.3f} against bf16 (limit {limit})"
                     row[label] = round(graph_us(fn, layers), 2)
                 except Exception as error:
                     print(f"  {name} m={m} {label}: {type(error).__name__}: {str(error)[:160]}")
