@@ -36,6 +36,7 @@ from nanovllm.layers.quantization.fp8 import (
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
+from nanovllm.models.decoder import quantize_norm_outputs
 from nanovllm.platforms.cpu import cpu_ops
 from nanovllm.platforms.cpu import sampler as cpu_sampler
 from nanovllm.platforms.cpu.model import prepare_model
@@ -102,6 +103,7 @@ class ModelRunner:
             use_block_scales(self.model, fp8_blocks)
         elif config.quantization == "fp8":  # a float checkpoint quantized here
             quantize_linear_layers(self.model)
+            quantize_norm_outputs(self.model)
         if self.device.type == "cpu":
             # the CPU's own norm/activation/rotary layers and each linear layer's method, chosen once (platforms/cpu/)
             prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles, config.cpu.block_passes)

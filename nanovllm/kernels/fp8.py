@@ -1,6 +1,7 @@
 """Triton helpers for e4m3: the rounding the fp8 KV cache stores with (its format is described in
 attention/kv_fp8.py), and the rows of activations quantized with a scale each for fp8 linear layers (plain, or
-SwiGLU's silu(gate) * up computed and quantized in the same kernel)."""
+SwiGLU's silu(gate) * up computed and quantized in the same kernel; kernels/rms_norm.py's norm quantizes its rows
+with e4m3_row)."""
 
 from __future__ import annotations
 
@@ -101,18 +102,29 @@ def _round_to_bfloat16(x):
 
 
 @triton.jit
+def round_to(y, dtype: tl.constexpr):
+    """float32 y rounded to dtype (as a 16-bit tensor of it would store y), still float32."""
+    if dtype == tl.bfloat16:
+        return _round_to_bfloat16(y)
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def e4m3_row(y, mask):
+    """A whole row y (float32, held by one program; mask: its columns) -> (y / scale rounded to e4m3, scale), scale =
+    max |y| / 448: quantize_rows_e4m3's numbers for a row already in registers."""
+    scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 0) / FP8_MAX, MIN_ROW_SCALE)
+    return to_e4m3(y / scale, 1.0), scale
+
+
+@triton.jit
 def _silu_and_mul_row(x_ptr, row_offset, cols, start, offsets):
     """silu(gate) * up for one block of a packed [gate | up] row, in float32, rounded to x's dtype as the
     unfused activation (layers/activation.py) stores it."""
     mask = start + offsets < cols
     gate = tl.load(x_ptr + row_offset + start + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row_offset + cols + start + offsets, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    if x_ptr.dtype.element_ty == tl.bfloat16:
-        y = _round_to_bfloat16(y)
-    else:
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return y, mask
+    return round_to(gate / (1.0 + tl.exp(-gate)) * up, x_ptr.dtype.element_ty), mask
 
 
 @triton.jit

@@ -28,6 +28,9 @@ class LinearMethod:
 
     # the method keeps its own copy of the weight: the layer's float parameter may be released after loading
     owns_weight = False
+    # the method takes its input as e4m3 rows with a scale each (layers/quantization/fp8.QuantizedRows) and saves
+    # its own quantizing kernel by it (the norm before it may then hand it such rows)
+    multiplies_e4m3_rows = False
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:

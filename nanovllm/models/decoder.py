@@ -106,6 +106,24 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def quantize_norm_outputs(model: nn.Module) -> int:
+    """After quantization="fp8": each RMSNorm whose rows only an e4m3-multiplying linear layer reads (a layer's
+    input norm before qkv_proj; its post-attention norm before a dense MLP's gate_up_proj, not an MoE's router)
+    hands that layer e4m3 rows (RMSNorm.e4m3_output); returns how many."""
+    count = 0
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        pairs = [(layer.input_layernorm, layer.self_attn.qkv_proj)]
+        if isinstance(layer.mlp, DecoderMLP):
+            pairs.append((layer.post_attention_layernorm, layer.mlp.gate_up_proj))
+        for norm, linear in pairs:
+            if linear.linear_method.multiplies_e4m3_rows:
+                norm.e4m3_output = True
+                count += 1
+    return count
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config, traits: FamilyTraits, max_position: int, make_mlp=None):
         """make_mlp(config, layer_index) -> the layer's feed-forward (default: the dense DecoderMLP)."""

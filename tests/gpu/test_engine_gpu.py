@@ -126,7 +126,7 @@ def test_gpu_fp8_kv_cache_runs_with_graphs_and_agrees_with_the_cpu(tiny_qwen3):
 
 
 def test_gpu_fp8_weights_run_with_graphs(tiny_qwen3):
-    """quantization='fp8' through torch._scaled_mm: every linear layer's weight is e4m3 and eager and CUDA
+    """quantization='fp8' through torch._scaled_mm: every linear layer's weight is e4m3, and eager and CUDA
     graphs give the same tokens."""
     runs = []
     for eager in (True, False):
@@ -135,5 +135,7 @@ def test_gpu_fp8_weights_run_with_graphs(tiny_qwen3):
         layer = gpu.runner.model.model.layers[0]
         method = layer.self_attn.qkv_proj.linear_method
         assert method.weight.dtype == torch.float8_e4m3fn and method.scaled_mm
+        # the norms before qkv_proj and gate_up_proj hand them e4m3 rows (a prefill's; decode rows stay bf16)
+        assert layer.input_layernorm.e4m3_output and layer.post_attention_layernorm.e4m3_output
         runs.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
     assert runs[0] == runs[1]

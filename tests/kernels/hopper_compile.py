@@ -105,10 +105,13 @@ def cases():
     for name, pointers, constexprs in skinny_cases():
         yield name, skinny_gemm._skinny_gemm_kernel, pointers, constexprs, dict(num_warps=4, num_stages=3)
     norm_pointers = dict(x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16",
-                         residual_out_ptr="*bf16")
+                         residual_out_ptr="*bf16", scale_ptr="*bf16")
     for residual in (False, True):
         yield (f"rms_norm, residual {residual}", rms_norm._add_rms_norm_kernel, norm_pointers,
-               dict(BLOCK=1024, HAS_RESIDUAL=residual, OVERLAP=True), dict(num_warps=4))
+               dict(BLOCK=1024, HAS_RESIDUAL=residual, QUANTIZE=False, OVERLAP=True), dict(num_warps=4))
+        yield (f"rms_norm to e4m3, residual {residual}", rms_norm._add_rms_norm_kernel,
+               dict(norm_pointers, out_ptr="*fp8e4nv", scale_ptr="*fp32"),
+               dict(BLOCK=4096, HAS_RESIDUAL=residual, QUANTIZE=True, OVERLAP=False), dict(num_warps=8))
     for cache in ("*bf16", "*fp8e4nv"):
         fp8 = cache != "*bf16"
         config = decode_attention.default_decode_config(128, torch.float8_e4m3fn if fp8 else torch.bfloat16)

@@ -43,6 +43,31 @@ def test_the_kernel_matches_the_ops(dtype, hidden, with_residual, weight_dtype):
     torch.testing.assert_close(got, want, rtol=2 * one_ulp(dtype), atol=2 * one_ulp(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_e4m3_rows_are_the_16_bit_rows_quantized(dtype, with_residual):
+    """add_rms_norm_e4m3 = quantize_rows (the fp8 layer's reference quantizer) of add_rms_norm's rows, bit for bit."""
+    from nanovllm.layers.quantization.fp8 import quantize_rows
+    torch.manual_seed(7)
+    rows, hidden = 20, 96
+    x = torch.randn(rows, hidden, dtype=dtype, device=DEVICE) * 3
+    residual = torch.randn(rows, hidden, dtype=dtype, device=DEVICE) if with_residual else None
+    weight = (1 + torch.rand(hidden, device=DEVICE) * torch.logspace(-2, 1, rows, device=DEVICE).repeat(5)[:hidden]
+              ).to(dtype)  # rows' largest values, and so their scales, differ
+    values, scale, summed = kernel.add_rms_norm_e4m3(x, weight, 1e-6, residual)
+    plain = kernel.add_rms_norm(x, weight, 1e-6, residual)
+    normed, plain_sum = plain if with_residual else (plain, None)
+    want_values, want_scale = quantize_rows(normed)
+    assert values.dtype == torch.float8_e4m3fn and scale.shape == (rows, 1)
+    assert torch.equal(scale, want_scale) and scale.unique().numel() > 1
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    if with_residual:
+        assert torch.equal(summed, plain_sum)
+    else:
+        assert summed is None
+
+
 def test_no_rows_and_the_layers_it_does_not_take():
     weight = torch.ones(32, device=DEVICE)
     assert kernel.add_rms_norm(torch.empty(0, 32, device=DEVICE), weight, 1e-6).shape == (0, 32)
@@ -70,3 +95,16 @@ def test_the_layer_takes_the_kernel_for_few_rows_on_the_gpu(rows):
     torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
     assert kernel.fits(x, norm.weight, residual)
     assert kernel.takes(x, norm.weight, residual) == (rows <= 16)  # a prefill's rows keep the compiled ops
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_norm_before_an_fp8_layer_hands_it_e4m3_rows_above_a_decode_steps():
+    from nanovllm.layers.quantization.fp8 import QuantizedRows
+    norm = RMSNorm(1024).to(device="cuda", dtype=torch.bfloat16)
+    norm.e4m3_output = True
+    for rows in (16, 300):
+        x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
+        out, summed = norm(x, torch.randn_like(x))
+        assert isinstance(out, QuantizedRows) == (rows > 16)  # a decode step's rows go to the few-row GEMM as bf16
+    assert out.dtype == torch.bfloat16 and out.shape == (300, 1024)

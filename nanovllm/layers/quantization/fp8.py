@@ -78,6 +78,10 @@ class Fp8LinearMethod(LinearMethod):
     # quantizing kernel, and the more exact), True e4m3 activations (the numbers of _scaled_mm); the H200's
     # figures for both are in docs/benchmarks.md
     few_row_fp8_activations = False
+    @property
+    def multiplies_e4m3_rows(self) -> bool:
+        return self.scaled_mm  # the reference (CPU) dequantizes them: rows in e4m3 would save it nothing
+
     # the row counts whose product runs in our Triton GEMM (kernels/fp8_gemm.py) rather than cuBLAS's; None keeps
     # every product in cuBLAS, until the Triton GEMM is measured faster on the card (benchmarks/skinny_gemm.py --fp8)
     triton_gemm_rows: tuple[int, int] | None = None
