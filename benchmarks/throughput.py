@@ -235,6 +235,17 @@ def report_kernel_profile(profiler) -> None:
     print(profiler.key_averages().table(sort_by=key, row_limit=25))
 
 
+def fp8_engine_options(args) -> dict:
+    """Sets the fp8 linear layers' options that are off by default until measured (before the engine is built);
+    returns them for the JSON."""
+    from nanovllm.layers.quantization.fp8 import Fp8LinearMethod
+    if args.fp8_norm_e4m3:
+        Fp8LinearMethod.norm_hands_e4m3_rows = True
+    if args.fp8_triton_gemm_rows:
+        Fp8LinearMethod.triton_gemm_rows = tuple(args.fp8_triton_gemm_rows)
+    return dict(fp8_norm_e4m3=Fp8LinearMethod.norm_hands_e4m3_rows, fp8_triton_gemm_rows=Fp8LinearMethod.triton_gemm_rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a folder with config.json (random weights)")
@@ -263,8 +274,15 @@ def main() -> None:
     parser.add_argument("--kernel-profile", action="store_true",
                         help="torch.profiler over each workload: the top device kernels by total time (adds "
                              "profiler overhead to the figures)")
+    parser.add_argument("--fp8-norm-e4m3", action="store_true",
+                        help="quantization fp8: the norms before qkv_proj / gate_up_proj hand them e4m3 rows "
+                             "(Fp8LinearMethod.norm_hands_e4m3_rows; one GPU: the engine's own process)")
+    parser.add_argument("--fp8-triton-gemm-rows", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                        help="quantization fp8: products of LO-HI rows in the Triton fp8 GEMM instead of cuBLAS "
+                             "(Fp8LinearMethod.triton_gemm_rows; one GPU)")
     parser.add_argument("--out", default="results/throughput.json")
     args = parser.parse_args()
+    fp8_options = fp8_engine_options(args)
 
     # this card's ceilings, before the engine takes its memory (None off CUDA); the workloads' recorded ceilings
     # are an H200's
@@ -312,7 +330,7 @@ def main() -> None:
                    slice_sampling=args.tensor_parallel_size > 1 and not args.gather_logits,
                    preemptions=llm.scheduler.stats.num_preemptions, kv_blocks=llm.num_kvcache_blocks,
                    async_scheduling=llm.async_scheduling, model=os.path.basename(os.path.normpath(args.model)),
-                   **card, **timer.report())
+                   **fp8_options, **card, **timer.report())
         if profiler:
             row["profile_seconds"] = profiler.report(seconds)
         results.append(row)

@@ -93,21 +93,25 @@ def test_the_triton_gemm_takes_its_rows_and_whole_k_tiles_only(monkeypatch) -> N
     assert not smol_width.linear_method._triton_gemm_takes(20)
 
 
-def test_norms_hand_e4m3_rows_only_to_the_one_fp8_layer_reading_them() -> None:
+def test_norms_hand_e4m3_rows_only_to_the_one_fp8_layer_reading_them(monkeypatch) -> None:
     """quantize_norm_outputs: each layer's input norm (read by qkv_proj alone) and a dense MLP's post-attention norm
     (gate_up_proj alone) hand e4m3 rows where the layer multiplies them; not an MoE's (its router reads them too),
-    not the final norm (the LM head), and nothing where the layers dequantize (the CPU reference)."""
+    not the final norm (the LM head), and nothing where the layers dequantize (the CPU reference). Off by default
+    (Fp8LinearMethod.norm_hands_e4m3_rows) until measured on a card."""
     from nanovllm.models import model_class
     from nanovllm.models.decoder import DecoderMLP, quantize_norm_outputs
     from tests.helpers import tiny_config
     config = tiny_config("qwen3_moe")  # layer 1 dense, layers 0, 2 and 3 sparse
     model = model_class(config)(config, 128)
     quantize_linear_layers(model)
+    monkeypatch.setattr(Fp8LinearMethod, "norm_hands_e4m3_rows", True)
     assert quantize_norm_outputs(model) == 0
     for module in model.modules():
         if isinstance(getattr(module, "linear_method", None), Fp8LinearMethod):
             module.linear_method.scaled_mm = True  # as on a GPU
     assert quantize_norm_outputs(model) == 4 + 1
+    monkeypatch.setattr(Fp8LinearMethod, "norm_hands_e4m3_rows", False)
+    assert quantize_norm_outputs(model) == 0
     for i, layer in enumerate(model.model.layers):
         assert layer.input_layernorm.e4m3_output
         assert layer.post_attention_layernorm.e4m3_output == isinstance(layer.mlp, DecoderMLP) == (i == 1)

@@ -125,6 +125,24 @@ def test_gpu_fp8_kv_cache_runs_with_graphs_and_agrees_with_the_cpu(tiny_qwen3):
     assert same >= 0.9 * sum(map(len, expected)), (runs[0], expected)
 
 
+def test_gpu_fp8_norms_handing_e4m3_rows_give_the_same_tokens(tiny_qwen3, monkeypatch):
+    """Fp8LinearMethod.norm_hands_e4m3_rows: the norms before qkv_proj and gate_up_proj hand them e4m3 rows (a
+    prefill's; decode rows stay bf16 for the few-row GEMM); eager and graphs agree, and the tokens are those of
+    the layers quantizing their own rows (the same numbers but for the norm's sum order)."""
+    from nanovllm.layers.quantization.fp8 import Fp8LinearMethod
+    runs = []
+    for fused, eager in ((False, True), (True, True), (True, False)):
+        monkeypatch.setattr(Fp8LinearMethod, "norm_hands_e4m3_rows", fused)
+        gpu = LLM(tiny_qwen3, device="cuda", quantization="fp8", enforce_eager=eager, kvcache_block_size=16,
+                  num_kvcache_blocks=256, max_num_batched_tokens=128)
+        layer = gpu.runner.model.model.layers[0]
+        assert layer.input_layernorm.e4m3_output == layer.post_attention_layernorm.e4m3_output == fused
+        runs.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
+    assert runs[1] == runs[2]
+    same = sum(a == b for x, y in zip(runs[1], runs[0]) for a, b in zip(x, y))
+    assert same >= 0.95 * sum(map(len, runs[0])), (runs[1], runs[0])
+
+
 def test_gpu_fp8_weights_run_with_graphs(tiny_qwen3):
     """quantization='fp8' through torch._scaled_mm: every linear layer's weight is e4m3, and eager and CUDA
     graphs give the same tokens."""
@@ -135,7 +153,5 @@ def test_gpu_fp8_weights_run_with_graphs(tiny_qwen3):
         layer = gpu.runner.model.model.layers[0]
         method = layer.self_attn.qkv_proj.linear_method
         assert method.weight.dtype == torch.float8_e4m3fn and method.scaled_mm
-        # the norms before qkv_proj and gate_up_proj hand them e4m3 rows (a prefill's; decode rows stay bf16)
-        assert layer.input_layernorm.e4m3_output and layer.post_attention_layernorm.e4m3_output
         runs.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
     assert runs[0] == runs[1]

@@ -78,9 +78,15 @@ class Fp8LinearMethod(LinearMethod):
     # quantizing kernel, and the more exact), True e4m3 activations (the numbers of _scaled_mm); the H200's
     # figures for both are in docs/benchmarks.md
     few_row_fp8_activations = False
+    # whether the RMSNorm before the layer hands it e4m3 rows above a decode step's (models/decoder.
+    # quantize_norm_outputs: one kernel fewer a norm); off until measured faster on a card (benchmarks/throughput.py
+    # --fp8-norm-e4m3 turns it on)
+    norm_hands_e4m3_rows = False
+
     @property
     def multiplies_e4m3_rows(self) -> bool:
-        return self.scaled_mm  # the reference (CPU) dequantizes them: rows in e4m3 would save it nothing
+        # the reference (CPU) dequantizes them: rows in e4m3 would save it nothing
+        return self.scaled_mm and self.norm_hands_e4m3_rows
 
     # the row counts whose product runs in our Triton GEMM (kernels/fp8_gemm.py) rather than cuBLAS's; None keeps
     # every product in cuBLAS, until the Triton GEMM is measured faster on the card (benchmarks/skinny_gemm.py --fp8)
