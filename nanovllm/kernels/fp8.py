@@ -82,13 +82,22 @@ def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, cols] (unit stride on cols) -> (e4m3 [rows, cols], float32 scale [rows, 1]), one kernel: the same
     numbers as layers/quantization/fp8.quantize_rows, whose handful of torch kernels it replaces on CUDA."""
     assert x.dim() == 2 and x.stride(1) == 1, f"quantize_rows_e4m3 takes rows with unit stride, got {tuple(x.shape)}"
-    rows, cols = x.shape
-    out = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows:
-        block = min(triton.next_power_of_2(max(cols, 16)), 4096)
-        _quantize_rows_kernel[(rows,)](x, out, scale, cols, x.stride(0), out.stride(0), BLOCK=block,
-                                       num_warps=4 if block <= 2048 else 8)
+    return _quantize_by_row(_quantize_rows_kernel, x, x.shape[1], widest_block=4096)
+
+
+def empty_e4m3_rows(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for rows in e4m3 [rows, cols] and their float32 scales [rows, 1]."""
+    return (torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((rows, 1), dtype=torch.float32, device=device))
+
+
+def _quantize_by_row(kernel, x: torch.Tensor, cols: int, widest_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One program per row of x, making cols e4m3 values and a scale each, in blocks of up to widest_block."""
+    out, scale = empty_e4m3_rows(x.shape[0], cols, x.device)
+    if x.shape[0]:
+        block = min(triton.next_power_of_2(max(cols, 16)), widest_block)
+        kernel[(x.shape[0],)](x, out, scale, cols, x.stride(0), out.stride(0), BLOCK=block,
+                              num_warps=4 if block <= widest_block // 2 else 8)
     return out, scale
 
 
@@ -151,11 +160,4 @@ def silu_and_mul_quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torc
     silu_and_mul_quantize_rows, up to the last bit of exp."""
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0, (
         f"silu_and_mul_quantize_rows_e4m3 takes packed [gate | up] rows with unit stride, got {tuple(x.shape)}")
-    rows, cols = x.shape[0], x.shape[1] // 2
-    out = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows:
-        block = min(triton.next_power_of_2(max(cols, 16)), 2048)
-        _silu_and_mul_quantize_rows_kernel[(rows,)](x, out, scale, cols, x.stride(0), out.stride(0), BLOCK=block,
-                                                    num_warps=4 if block <= 1024 else 8)
-    return out, scale
+    return _quantize_by_row(_silu_and_mul_quantize_rows_kernel, x, x.shape[1] // 2, widest_block=2048)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import e4m3_row, round_to
+from nanovllm.kernels.fp8 import e4m3_row, empty_e4m3_rows, round_to
 from nanovllm.kernels.jit import overlap_options, wait_for_prior_kernel
 from nanovllm.kernels.skinny_gemm import MAX_ROWS
 
@@ -91,8 +91,7 @@ def add_rms_norm_e4m3(x: torch.Tensor, weight: torch.Tensor, eps: float, residua
     assert fits(x, weight, residual) and weight.dtype == x.dtype, (
         f"add_rms_norm_e4m3 takes rows of at most {MAX_HIDDEN} with a weight of their size and dtype, got x "
         f"{tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype}")
-    values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    values, scale = empty_e4m3_rows(*x.shape, x.device)
     summed = _launch(x, weight, eps, residual, values, scale, dict(OVERLAP=False))
     return values, scale, summed
 
