@@ -919,10 +919,13 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
   for (int r = 0; r < R / P; r++)
     for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+  /* a row or two: each (row, tile)'s products would form one chain of dependent dpbusd (several cycles each), which
+     bounds the kernel below the memory's pace; two sums a (row, tile), joined after the block, halve the chains */
+  const int two_sums = R * T <= 4;
   for (int64_t b = 0; b < blocks; b++) {
-    __m512i dot[QTILE_ROWS][QTILE_GROUP];
+    __m512i dot[QTILE_ROWS][QTILE_GROUP], dot2[QTILE_ROWS][QTILE_GROUP];
     for (int r = 0; r < R; r++)
-      for (int t = 0; t < T; t++) dot[r][t] = _mm512_setzero_si512();
+      for (int t = 0; t < T; t++) dot[r][t] = dot2[r][t] = _mm512_setzero_si512();
     if (bits == 4) {
       for (int64_t g = b * (QBLOCK / 8); g < (b + 1) * (QBLOCK / 8); g++) {
         __m512i lo[QTILE_GROUP], hi[QTILE_GROUP];
@@ -934,20 +937,31 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
         for (int r = 0; r < R; r++) {
           const __m512i xl = _mm512_set1_epi32(*(const int32_t *)(xq + r * in + g * 8));
           const __m512i xh = _mm512_set1_epi32(*(const int32_t *)(xq + r * in + g * 8 + 4));
-          for (int t = 0; t < T; t++) dot[r][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][t], lo[t], xl), hi[t], xh);
+          for (int t = 0; t < T; t++) {
+            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo[t], xl);
+            if (two_sums) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], hi[t], xh);
+            else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi[t], xh);
+          }
         }
       }
     } else {
-      for (int64_t k4 = b * (QBLOCK / 4); k4 < (b + 1) * (QBLOCK / 4); k4++) {
+      for (int k = 0; k < QBLOCK / 4; k++) {
+        const int64_t k4 = b * (QBLOCK / 4) + k;
         __m512i wv[QTILE_GROUP];
         for (int t = 0; t < T; t++)
           wv[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + t * tile_bytes + k4 * 64)), flip);
         for (int r = 0; r < R; r++) {
           const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xq + r * in + k4 * 4));
-          for (int t = 0; t < T; t++) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xv);
+          for (int t = 0; t < T; t++) {
+            if (two_sums && (k & 1)) dot2[r][t] = _mm512_dpbusd_epi32(dot2[r][t], wv[t], xv);
+            else dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xv);
+          }
         }
       }
     }
+    if (two_sums)
+      for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) dot[r][t] = _mm512_add_epi32(dot[r][t], dot2[r][t]);
     for (int t = 0; t < T; t++) {
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (t * blocks + b) * TILE)));
       const __m512 mv = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + (t * blocks + b) * TILE)))
