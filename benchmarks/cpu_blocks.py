@@ -1,7 +1,7 @@
 """The CPU's 4/8-bit block products (platforms/cpu/cpu_ops.linear_blocks) alone, at the embedded SmolLM2's shapes.
 
 Times, per row count and activation passes, the products of all 30 layers' four 4-bit weights (qkv 960 x 576,
-o 576 x 576, gate_up 3072 x 576, down 576 x 1536; ~36 MB, so each call reads them from memory, as a decode step
+o 576 x 576, gate_up 3072 x 576, down 576 x 1536; ~66 MB with their scales, so each call reads them from memory, as a decode step
 does) and of the 8-bit LM head (49152 x 576), and the bytes of weights read per second. Random weights in the
 blocks' exact format; the library this machine's build gives (NANOVLLM_CACHE_DIR and CC choose another build).
 

@@ -59,6 +59,12 @@ MIN_ROW_SCALE = tl.constexpr(1e-12)
 
 
 @triton.jit
+def e4m3_scale(largest):
+    """A row's scale from its largest magnitude: it maps that magnitude to e4m3's largest value."""
+    return tl.maximum(largest / FP8_MAX, MIN_ROW_SCALE)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, cols, stride_x, stride_out, BLOCK: tl.constexpr):
     """One program per row: its largest magnitude, then the row divided by max / 448 and rounded to e4m3."""
     row = tl.program_id(0).to(tl.int64)
@@ -68,7 +74,7 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, cols, stride_x, stride_out,
         mask = start + offsets < cols
         x = tl.load(x_ptr + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
         largest = tl.maximum(largest, tl.abs(x))
-    scale = tl.maximum(tl.max(largest, 0) / FP8_MAX, MIN_ROW_SCALE)
+    scale = e4m3_scale(tl.max(largest, 0))
     tl.store(scale_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         mask = start + offsets < cols
@@ -122,7 +128,7 @@ def round_to(y, dtype: tl.constexpr):
 def e4m3_row(y, mask):
     """A whole row y (float32, held by one program; mask: its columns) -> (y / scale rounded to e4m3, scale), scale =
     max |y| / 448: quantize_rows_e4m3's numbers for a row already in registers."""
-    scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 0) / FP8_MAX, MIN_ROW_SCALE)
+    scale = e4m3_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), 0))
     return to_e4m3(y / scale, 1.0), scale
 
 
@@ -146,7 +152,7 @@ def _silu_and_mul_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, cols, stride_x
     for start in range(0, cols, BLOCK):
         y, mask = _silu_and_mul_row(x_ptr, row * stride_x, cols, start, offsets)
         largest = tl.maximum(largest, tl.abs(y))
-    scale = tl.maximum(tl.max(largest, 0) / FP8_MAX, MIN_ROW_SCALE)
+    scale = e4m3_scale(tl.max(largest, 0))
     tl.store(scale_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         y, mask = _silu_and_mul_row(x_ptr, row * stride_x, cols, start, offsets)
