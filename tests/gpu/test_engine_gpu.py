@@ -125,22 +125,43 @@ def test_gpu_fp8_kv_cache_runs_with_graphs_and_agrees_with_the_cpu(tiny_qwen3):
     assert same >= 0.9 * sum(map(len, expected)), (runs[0], expected)
 
 
-def test_gpu_fp8_norms_handing_e4m3_rows_give_the_same_tokens(tiny_qwen3, monkeypatch):
-    """Fp8LinearMethod.norm_hands_e4m3_rows: the norms before qkv_proj and gate_up_proj hand them e4m3 rows (a
-    prefill's; decode rows stay bf16 for the few-row GEMM); eager and graphs agree, and the tokens are those of
-    the layers quantizing their own rows (the same numbers but for the norm's sum order)."""
+def _prefill_logits(llm, batch) -> torch.Tensor:
+    """The logits of each prompt's last position (one prefill step), as float32 rows."""
+    captured = []
+    original = llm.runner.model.compute_logits
+    llm.runner.model.compute_logits = lambda h, o=original, c=captured: c.append(o(h).float()) or c[-1]
+    llm.generate(batch, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    llm.runner.model.compute_logits = original
+    return torch.cat(captured)
+
+
+def test_gpu_fp8_norms_handing_e4m3_rows_move_only_their_rounding(tiny_qwen3, monkeypatch):
+    """Fp8LinearMethod.norm_hands_e4m3_rows: the norms before qkv_proj and gate_up_proj hand them e4m3 rows (rows
+    above a decode step's few). Their logits stay near those of the layers quantizing their own rows, much nearer
+    than fp8 itself moves them from bf16: the norm kernel rounds as eager torch does, and torch.compile's norm
+    (the path it replaces) skips the bf16 rounding between its steps, so a few e4m3 values differ by one step,
+    no more. Greedy tokens of a random tiny model are no test of that: its near-ties flip (38 % of one run's
+    tokens). Eager and graphs give the same tokens."""
     from nanovllm.layers.quantization.fp8 import Fp8LinearMethod
-    runs = []
-    for fused, eager in ((False, True), (True, True), (True, False)):
+    batch = prompts()[3:6]  # 40, 100 and 255 tokens: every prefill row count above a decode step's
+    logits, tokens = {}, []
+    for name, quantization, fused, eager in (("bf16", None, False, True), ("fp8", "fp8", False, True),
+                                             ("fp8, norms' e4m3", "fp8", True, True),
+                                             ("fp8, norms' e4m3, graphs", "fp8", True, False)):
         monkeypatch.setattr(Fp8LinearMethod, "norm_hands_e4m3_rows", fused)
-        gpu = LLM(tiny_qwen3, device="cuda", quantization="fp8", enforce_eager=eager, kvcache_block_size=16,
-                  num_kvcache_blocks=256, max_num_batched_tokens=128)
+        gpu = LLM(tiny_qwen3, device="cuda", quantization=quantization, enforce_eager=eager, kvcache_block_size=16,
+                  num_kvcache_blocks=256, max_num_batched_tokens=1024)
         layer = gpu.runner.model.model.layers[0]
         assert layer.input_layernorm.e4m3_output == layer.post_attention_layernorm.e4m3_output == fused
-        runs.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
-    assert runs[1] == runs[2]
-    same = sum(a == b for x, y in zip(runs[1], runs[0]) for a, b in zip(x, y))
-    assert same >= 0.95 * sum(map(len, runs[0])), (runs[1], runs[0])
+        if eager:
+            logits[name] = _prefill_logits(gpu, batch)
+        if fused:
+            tokens.append([o.token_ids for o in gpu.generate(prompts(), GREEDY, use_tqdm=False)])
+        gpu.close()
+    assert tokens[0] == tokens[1]
+    fp8_error = (logits["fp8"] - logits["bf16"]).abs().mean()
+    moved = (logits["fp8, norms' e4m3"] - logits["fp8"]).abs().mean()
+    assert 0 < fp8_error and moved <= 0.5 * fp8_error, (moved, fp8_error)
 
 
 def test_gpu_fp8_weights_run_with_graphs(tiny_qwen3):
