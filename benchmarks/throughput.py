@@ -236,11 +236,11 @@ def report_kernel_profile(profiler) -> None:
 
 
 def fp8_engine_options(args) -> dict:
-    """Sets the fp8 linear layers' options that are off by default until measured (before the engine is built);
-    returns them for the JSON."""
+    """Sets the fp8 linear layers' options that an A/B run changes (before the engine is built); returns them for
+    the JSON."""
     from nanovllm.layers.quantization.fp8 import Fp8LinearMethod
-    if args.fp8_norm_e4m3:
-        Fp8LinearMethod.norm_hands_e4m3_rows = True
+    if args.fp8_norm_e4m3 is not None:
+        Fp8LinearMethod.norm_hands_e4m3_rows = args.fp8_norm_e4m3
     if args.fp8_triton_gemm_rows:
         Fp8LinearMethod.triton_gemm_rows = tuple(args.fp8_triton_gemm_rows)
     return dict(fp8_norm_e4m3=Fp8LinearMethod.norm_hands_e4m3_rows, fp8_triton_gemm_rows=Fp8LinearMethod.triton_gemm_rows)
@@ -274,9 +274,10 @@ def main() -> None:
     parser.add_argument("--kernel-profile", action="store_true",
                         help="torch.profiler over each workload: the top device kernels by total time (adds "
                              "profiler overhead to the figures)")
-    parser.add_argument("--fp8-norm-e4m3", action="store_true",
-                        help="quantization fp8: the norms before qkv_proj / gate_up_proj hand them e4m3 rows "
-                             "(Fp8LinearMethod.norm_hands_e4m3_rows; one GPU: the engine's own process)")
+    parser.add_argument("--fp8-norm-e4m3", action=argparse.BooleanOptionalAction, default=None,
+                        help="quantization fp8: whether the norms before qkv_proj / gate_up_proj hand them e4m3 rows "
+                             "(Fp8LinearMethod.norm_hands_e4m3_rows, on by default; one GPU: the engine's own "
+                             "process)")
     parser.add_argument("--fp8-triton-gemm-rows", type=int, nargs=2, metavar=("LO", "HI"), default=None,
                         help="quantization fp8: products of LO-HI rows in the Triton fp8 GEMM instead of cuBLAS "
                              "(Fp8LinearMethod.triton_gemm_rows; one GPU)")

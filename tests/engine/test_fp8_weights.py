@@ -96,8 +96,8 @@ def test_the_triton_gemm_takes_its_rows_and_whole_k_tiles_only(monkeypatch) -> N
 def test_norms_hand_e4m3_rows_only_to_the_one_fp8_layer_reading_them(monkeypatch) -> None:
     """quantize_norm_outputs: each layer's input norm (read by qkv_proj alone) and a dense MLP's post-attention norm
     (gate_up_proj alone) hand e4m3 rows where the layer multiplies them; not an MoE's (its router reads them too),
-    not the final norm (the LM head), and nothing where the layers dequantize (the CPU reference). Off by default
-    (Fp8LinearMethod.norm_hands_e4m3_rows) until measured on a card."""
+    not the final norm (the LM head), and nothing where the layers dequantize (the CPU reference) or where
+    Fp8LinearMethod.norm_hands_e4m3_rows is off."""
     from nanovllm.models import model_class
     from nanovllm.models.decoder import DecoderMLP, quantize_norm_outputs
     from tests.helpers import tiny_config

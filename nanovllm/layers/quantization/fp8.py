@@ -79,9 +79,8 @@ class Fp8LinearMethod(LinearMethod):
     # figures for both are in docs/benchmarks.md
     few_row_fp8_activations = False
     # whether the RMSNorm before the layer hands it e4m3 rows above a decode step's (models/decoder.
-    # quantize_norm_outputs: one kernel fewer a norm); off until measured faster on a card (benchmarks/throughput.py
-    # --fp8-norm-e4m3 turns it on)
-    norm_hands_e4m3_rows = False
+    # quantize_norm_outputs: one kernel fewer a norm; faster on the 8B shape, docs/benchmarks.md)
+    norm_hands_e4m3_rows = True
 
     @property
     def multiplies_e4m3_rows(self) -> bool:
