@@ -788,6 +788,11 @@ void linear_i8_tiles_f32(const float *x, const float *row_scale, const int8_t *w
 #define QTILE_ROWS 6 /* int8 rows a kernel call multiplies: 6 rows of one pass, 3 of two */
 #define QTILE_GROUP 2
 #define QPASS_SHIFT 8 /* pass 2's steps are 2^8 times finer than pass 1's */
+/* each weight line is asked for this far ahead of its read: a thread walks its tiles as one stream, which the
+   hardware prefetchers restart at every 4 KiB page; at a few rows nothing else hides that wait */
+#ifndef QPREFETCH_BYTES
+#define QPREFETCH_BYTES 2048
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QBLOCKS_SIMD 2
 #elif defined(HAVE_AVX2)
@@ -930,6 +935,7 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
       for (int64_t g = b * (QBLOCK / 8); g < (b + 1) * (QBLOCK / 8); g++) {
         __m512i lo[QTILE_GROUP], hi[QTILE_GROUP];
         for (int t = 0; t < T; t++) {
+          _mm_prefetch((const char *)(w + t * tile_bytes + g * 64 + QPREFETCH_BYTES), _MM_HINT_T0);
           const __m512i v = _mm512_loadu_si512((const void *)(w + t * tile_bytes + g * 64));
           lo[t] = _mm512_and_si512(v, low);
           hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -948,8 +954,10 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
       for (int k = 0; k < QBLOCK / 4; k++) {
         const int64_t k4 = b * (QBLOCK / 4) + k;
         __m512i wv[QTILE_GROUP];
-        for (int t = 0; t < T; t++)
+        for (int t = 0; t < T; t++) {
+          _mm_prefetch((const char *)(w + t * tile_bytes + k4 * 64 + QPREFETCH_BYTES), _MM_HINT_T0);
           wv[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + t * tile_bytes + k4 * 64)), flip);
+        }
         for (int r = 0; r < R; r++) {
           const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xq + r * in + k4 * 4));
           for (int t = 0; t < T; t++) {
@@ -1005,6 +1013,7 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
 #pragma GCC unroll 4
       for (int64_t g = b * (QBLOCK / 8); g < (b + 1) * (QBLOCK / 8); g++)
         for (int h = 0; h < H; h++) {
+          if (h == 0) _mm_prefetch((const char *)(w + g * 64 + QPREFETCH_BYTES), _MM_HINT_T0);
           const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
           const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; r++) {
@@ -1022,6 +1031,7 @@ static inline __attribute__((always_inline)) void blocks_kernel(const int R, con
 #pragma GCC unroll 8
       for (int64_t k4 = b * (QBLOCK / 4); k4 < (b + 1) * (QBLOCK / 4); k4++)
         for (int h = 0; h < H; h++) {
+          if (h == 0) _mm_prefetch((const char *)(w + k4 * 64 + QPREFETCH_BYTES), _MM_HINT_T0);
           const __m256i v = _mm256_loadu_si256((const __m256i *)(w + k4 * 64 + h * 32));
           const __m256i magnitude = _mm256_sign_epi8(v, v);
           for (int r = 0; r < R; r++) {
