@@ -790,9 +790,7 @@ void linear_i8_tiles_f32(const float *x, const float *row_scale, const int8_t *w
 #define QPASS_SHIFT 8 /* pass 2's steps are 2^8 times finer than pass 1's */
 /* each weight line is asked for this far ahead of its read: a thread walks its tiles as one stream, which the
    hardware prefetchers restart at every 4 KiB page; at a few rows nothing else hides that wait */
-#ifndef QPREFETCH_BYTES
 #define QPREFETCH_BYTES 2048
-#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QBLOCKS_SIMD 2
 #elif defined(HAVE_AVX2)
