@@ -24,6 +24,9 @@ from nanovllm.kernels.jit import INTERPRETED, num_sms, overlap_options, wait_for
 
 LANES = 32  # one chunk per thread of a single-warp program
 MIN_CHUNK_BYTES = 4096
+# what a layer's plan may take of the L2, and whether it reaches into the next layer's qkv_proj
+BUDGET_FRACTION = 0.5
+NEXT_QKV = False
 
 
 @functools.cache
@@ -33,8 +36,8 @@ def available(device: torch.device) -> bool:
             and "OVERLAP" in overlap_options(device))
 
 
-def l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
+def budget_bytes(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).L2_cache_size * BUDGET_FRACTION)
 
 
 def chunk_bytes_for(total: int, programs: int) -> int:

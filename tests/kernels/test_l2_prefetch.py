@@ -73,6 +73,10 @@ def test_each_decoder_layer_plans_its_later_weights_within_the_budget():
     assert dense.self_attn.attn.weight_prefetch == (o, gate_up)  # down no longer fits whole
     assert prefetch_weights_after_attention(model, tuple, budget_bytes=nbytes[0] - 1) == 0
 
+    prefetch_weights_after_attention(model, tuple, budget_bytes=10 ** 9, next_qkv=True)
+    assert layers[0].self_attn.attn.weight_prefetch[-1] is layers[1].self_attn.qkv_proj.weight
+    assert layers[-1].self_attn.attn.weight_prefetch[-1] is layers[-1].self_attn.o_proj.weight  # no next layer
+
     quantize_linear_layers(model)
     prefetch_weights_after_attention(model, tuple, budget_bytes=sum(nbytes))
     plan = dense.self_attn.attn.weight_prefetch
