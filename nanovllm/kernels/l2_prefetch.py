@@ -53,18 +53,18 @@ class PrefetchPlan(NamedTuple):
 
 def prefetch_plan(tensors: list[torch.Tensor], programs: int) -> PrefetchPlan:
     """The tensors cut into chunks of about equal size, about one per lane of `programs` programs, their chunks in
-    the order given (a launch issues them in that order across its programs). Tensors must be contiguous and
-    16-byte aligned."""
+    the order given (a launch issues them in that order across its programs). Tensors must be contiguous."""
     total = sum(t.numel() * t.element_size() for t in tensors)
     chunk = chunk_bytes_for(total, programs)
     addresses, sizes = [], []
     for t in tensors:
-        assert t.is_contiguous() and t.data_ptr() % 16 == 0, "a prefetched tensor must be contiguous, 16-byte aligned"
-        nbytes = t.numel() * t.element_size()
-        assert nbytes % 16 == 0, f"a prefetched tensor's bytes must be a multiple of 16, got {nbytes}"
-        for start in range(0, nbytes, chunk):
-            addresses.append(t.data_ptr() + start)
-            sizes.append(min(chunk, nbytes - start))
+        assert t.is_contiguous(), "a prefetched tensor must be contiguous"
+        # the instruction takes 16-byte aligned ranges: a tensor's few bytes outside its aligned interior stay out
+        start = triton.cdiv(t.data_ptr(), 16) * 16
+        end = (t.data_ptr() + t.numel() * t.element_size()) // 16 * 16
+        for address in range(start, end, chunk):
+            addresses.append(address)
+            sizes.append(min(chunk, end - address))
     chunks = torch.tensor([addresses, sizes], dtype=torch.int64, device=tensors[0].device)
     return PrefetchPlan(chunks, tuple(tensors))
 
