@@ -14,9 +14,7 @@ joined by "+":
 - no_attention: no decode attention at all (neither the split nor the reduce kernel);
 - no_norms: no RMSNorm kernel (the decoder's norms return their input);
 - l2_prefetch: each layer asks its o_proj / gate_up / down weights into L2 before its attention
-  (TritonAttentionBackend.prefetch_weights_up_to = 16; computes the right values); l2_next_qkv: the next
-  layer's qkv_proj too, within 3/4 of the L2 (l2_prefetch.NEXT_QKV, BUDGET_FRACTION); kv_evict_first: the
-  decode kernel's K/V loads marked evict-first in L2 (decode_attention.KV_EVICTION);
+  (TritonAttentionBackend.prefetch_weights_up_to = 16; computes the right values);
 - plan_for_context: the graphs planned for the longest --contexts + --steps keys instead of --max-model-len (the
   split plan a graph per context bucket would give);
 - min_split=N, max_splits=N, programs_per_sm=N, tile=N, stages=N, warps=N: the decode split plan's shortest split
@@ -46,8 +44,8 @@ from decode_step import DEFAULT_MODEL, distinct_key_blocks, kernel_table, time_o
 
 from nanovllm import LLM  # noqa: E402
 
-PARTS = ("main", "no_rope_store", "one_split", "no_attention", "no_norms", "l2_prefetch", "l2_next_qkv", "kv_evict_first",
-         "plan_for_context", "min_split=N", "max_splits=N", "programs_per_sm=N", "tile=N", "stages=N", "warps=N")
+PARTS = ("main", "no_rope_store", "one_split", "no_attention", "no_norms", "l2_prefetch", "plan_for_context", "min_split=N",
+         "max_splits=N", "programs_per_sm=N", "tile=N", "stages=N", "warps=N")
 
 
 def _leave_out_rope_store(stack, rope_module):
@@ -79,7 +77,6 @@ def variant_in_place(variant: str) -> contextlib.ExitStack:
     its kernels then, and the graphs capture what the patched functions launch)."""
     from nanovllm.attention.triton_backend import TritonAttentionBackend
     from nanovllm.kernels import decode_attention as decode_module
-    from nanovllm.kernels import l2_prefetch as l2_module
     from nanovllm.kernels import rms_norm as norm_module
     from nanovllm.kernels import rope_store as rope_module
 
@@ -98,11 +95,6 @@ def variant_in_place(variant: str) -> contextlib.ExitStack:
                                         x if residual is None else (x, residual)))
         elif name == "l2_prefetch":
             stack.enter_context(mock.patch.object(TritonAttentionBackend, "prefetch_weights_up_to", 16))
-        elif name == "l2_next_qkv":
-            stack.enter_context(mock.patch.object(l2_module, "NEXT_QKV", True))
-            stack.enter_context(mock.patch.object(l2_module, "BUDGET_FRACTION", 0.75))
-        elif name == "kv_evict_first":
-            stack.enter_context(mock.patch.object(decode_module, "KV_EVICTION", "evict_first"))
         elif name == "min_split":  # the shortest split the plan makes, in keys
             stack.enter_context(mock.patch.object(decode_module, "MIN_TOKENS_PER_SPLIT", int(value)))
         elif name == "max_splits":

@@ -133,7 +133,7 @@ class ModelRunner:
         from nanovllm.kernels import l2_prefetch
         if l2_prefetch.available(self.device):
             prefetch_weights_after_attention(self.model, l2_prefetch.plan_for_device,
-                                             l2_prefetch.budget_bytes(self.device), l2_prefetch.NEXT_QKV)
+                                             l2_prefetch.l2_bytes(self.device) // 2)
 
     def close(self) -> None:
         """Release the CUDA graphs (before a tensor-parallel process group is destroyed) and the KV pool (its

@@ -45,9 +45,6 @@ MAX_SPLITS = 64
 # Programs per SM that choose_num_splits aims for. 8 beat 16 on the H200 (W1 +2.6 %, W2 +3.3 %): at 256
 # requests x 8 KV heads it takes one split, which skips the reduce kernel.
 PROGRAMS_PER_SM = 8
-# the L2 policy of the K/V loads: every key is read once a step, so "evict_first" would keep the cache's room for
-# what is read again (the weights a layer's L2 prefetch brings in ahead, kernels/l2_prefetch.py); "" the default
-KV_EVICTION = ""
 
 
 @jit_unspecialized("block_tables_ptr", "seq_lens_ptr", "block_tables_stride", "num_splits")
@@ -80,7 +77,6 @@ def _decode_split_kernel(
     V_ASM_UPCAST: tl.constexpr, # KV_FP8 on sm_89+: V through e4m3_to_f16_in_registers (fp8.py says why)
     COMPUTE: tl.constexpr,      # the dtype of the products: q's, or float16 over an fp8 cache of 16-bit q
     OVERLAP: tl.constexpr,      # launched overlapped with the kernel before (kernels/jit.py)
-    KV_EVICTION: tl.constexpr,  # the K/V loads' L2 eviction policy ("" or "evict_first")
 ):
     wait_for_prior_kernel(OVERLAP)
     seq = tl.program_id(0)
@@ -116,8 +112,7 @@ def _decode_split_kernel(
         token_offsets = (block_ids * cache_stride_block + (tokens % BLOCK_SIZE) * cache_stride_token
                          + kv_head * HEAD_DIM)
         # k: [HEAD_DIM, BLOCK_N], loaded transposed for q @ k
-        k = tl.load(k_cache_ptr + token_offsets[None, :] + dims[:, None], mask=token_mask[None, :], other=0.0,
-                    eviction_policy=KV_EVICTION)
+        k = tl.load(k_cache_ptr + token_offsets[None, :] + dims[:, None], mask=token_mask[None, :], other=0.0)
         scores = tl.dot(q, k.to(COMPUTE), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_GROUP, BLOCK_N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one key, so m_new is finite from the first tile on.
@@ -126,8 +121,7 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # v: [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_cache_ptr + token_offsets[:, None] + dims[None, :], mask=token_mask[:, None], other=0.0,
-                    eviction_policy=KV_EVICTION)
+        v = tl.load(v_cache_ptr + token_offsets[:, None] + dims[None, :], mask=token_mask[:, None], other=0.0)
         if V_ASM_UPCAST:
             v = e4m3_to_f16_in_registers(v)
         else:
@@ -336,8 +330,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, WRITE_OUT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         V_ASM_UPCAST=kv_fp8 and _has_e4m3_cvt(q.device) and kv_compute_dtype(q.dtype, kv_fp8) == tl.float16,
-        COMPUTE=kv_compute_dtype(q.dtype, kv_fp8), KV_EVICTION=KV_EVICTION, **config.launch_options(),
-        **overlap_options(q.device),
+        COMPUTE=kv_compute_dtype(q.dtype, kv_fp8), **config.launch_options(), **overlap_options(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

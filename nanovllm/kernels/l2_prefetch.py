@@ -24,9 +24,6 @@ from nanovllm.kernels.jit import INTERPRETED, num_sms, overlap_options, wait_for
 
 LANES = 32  # one chunk per thread of a single-warp program
 MIN_CHUNK_BYTES = 4096
-# what a layer's plan may take of the L2, and whether it reaches into the next layer's qkv_proj
-BUDGET_FRACTION = 0.5
-NEXT_QKV = False
 
 
 @functools.cache
@@ -36,8 +33,8 @@ def available(device: torch.device) -> bool:
             and "OVERLAP" in overlap_options(device))
 
 
-def budget_bytes(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).L2_cache_size * BUDGET_FRACTION)
+def l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 def chunk_bytes_for(total: int, programs: int) -> int:
@@ -53,18 +50,18 @@ class PrefetchPlan(NamedTuple):
 
 def prefetch_plan(tensors: list[torch.Tensor], programs: int) -> PrefetchPlan:
     """The tensors cut into chunks of about equal size, about one per lane of `programs` programs, their chunks in
-    the order given (a launch issues them in that order across its programs). Tensors must be contiguous."""
+    the order given (a launch issues them in that order across its programs). Tensors must be contiguous and
+    16-byte aligned."""
     total = sum(t.numel() * t.element_size() for t in tensors)
     chunk = chunk_bytes_for(total, programs)
     addresses, sizes = [], []
     for t in tensors:
-        assert t.is_contiguous(), "a prefetched tensor must be contiguous"
-        # the instruction takes 16-byte aligned ranges: a tensor's few bytes outside its aligned interior stay out
-        start = triton.cdiv(t.data_ptr(), 16) * 16
-        end = (t.data_ptr() + t.numel() * t.element_size()) // 16 * 16
-        for address in range(start, end, chunk):
-            addresses.append(address)
-            sizes.append(min(chunk, end - address))
+        assert t.is_contiguous() and t.data_ptr() % 16 == 0, "a prefetched tensor must be contiguous, 16-byte aligned"
+        nbytes = t.numel() * t.element_size()
+        assert nbytes % 16 == 0, f"a prefetched tensor's bytes must be a multiple of 16, got {nbytes}"
+        for start in range(0, nbytes, chunk):
+            addresses.append(t.data_ptr() + start)
+            sizes.append(min(chunk, nbytes - start))
     chunks = torch.tensor([addresses, sizes], dtype=torch.int64, device=tensors[0].device)
     return PrefetchPlan(chunks, tuple(tensors))
 

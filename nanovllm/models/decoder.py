@@ -124,26 +124,21 @@ def quantize_norm_outputs(model: nn.Module) -> int:
     return count
 
 
-def _read_weight(linear: nn.Module) -> torch.Tensor:
-    """The weight tensor a linear layer's product reads (its method's own copy where it keeps one)."""
-    method = linear.linear_method
-    return method.weight if method.owns_weight else linear.weight
-
-
-def prefetch_weights_after_attention(model: nn.Module, make_plan, budget_bytes: int, next_qkv: bool = False) -> int:
+def prefetch_weights_after_attention(model: nn.Module, make_plan, budget_bytes: int) -> int:
     """Give each decoder layer's attention a plan (make_plan(tensors), kernels/l2_prefetch.py) of the weights its
-    layer reads after it: o_proj's, then a dense MLP's gate_up_proj's and down_proj's (and with next_qkv the next
-    layer's qkv_proj's), as many whole ones in that order as fit budget_bytes. Returns how many layers got one."""
-    layers = [layer for layer in model.modules() if isinstance(layer, DecoderLayer)]
+    layer reads after it: o_proj's, then a dense MLP's gate_up_proj's and down_proj's, as many whole ones in that
+    order as fit budget_bytes. Returns how many layers got one."""
     count = 0
-    for index, layer in enumerate(layers):
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
         linears = [layer.self_attn.o_proj]
         if isinstance(layer.mlp, DecoderMLP):
             linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        if next_qkv and index + 1 < len(layers):
-            linears.append(layers[index + 1].self_attn.qkv_proj)
         tensors, total = [], 0
-        for weight in map(_read_weight, linears):
+        for linear in linears:
+            method = linear.linear_method
+            weight = method.weight if method.owns_weight else linear.weight
             total += weight.numel() * weight.element_size()
             if total > budget_bytes:
                 break

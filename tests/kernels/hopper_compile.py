@@ -121,7 +121,7 @@ def cases():
                     out_ptr="*bf16", partial_max_ptr="*fp32", partial_sum_ptr="*fp32", partial_acc_ptr="*fp32"),
                dict(NUM_HEADS=16, GROUP=2, BLOCK_GROUP=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=config.block_n,
                     WRITE_OUT=False, DOT_PRECISION="tf32", KV_FP8=fp8, V_ASM_UPCAST=fp8,
-                    COMPUTE=tl.float16 if fp8 else tl.bfloat16, OVERLAP=True, KV_EVICTION="evict_first"),
+                    COMPUTE=tl.float16 if fp8 else tl.bfloat16, OVERLAP=True),
                config.launch_options())
         yield (f"rope/store, {cache} cache", rope_store._norm_rope_store_kernel,
                dict(qkv_ptr="*bf16", positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", q_weight_ptr="*bf16",
