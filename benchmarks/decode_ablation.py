@@ -13,8 +13,6 @@ joined by "+":
 - one_split: the decode attention in one split (no reduce kernel; each program reads all of its request's keys);
 - no_attention: no decode attention at all (neither the split nor the reduce kernel);
 - no_norms: no RMSNorm kernel (the decoder's norms return their input);
-- l2_prefetch: each layer asks its o_proj / gate_up / down weights into L2 before its attention
-  (TritonAttentionBackend.prefetch_weights_up_to = 16; computes the right values);
 - plan_for_context: the graphs planned for the longest --contexts + --steps keys instead of --max-model-len (the
   split plan a graph per context bucket would give);
 - min_split=N, max_splits=N, programs_per_sm=N, tile=N, stages=N, warps=N: the decode split plan's shortest split
@@ -44,7 +42,7 @@ from decode_step import DEFAULT_MODEL, distinct_key_blocks, kernel_table, time_o
 
 from nanovllm import LLM  # noqa: E402
 
-PARTS = ("main", "no_rope_store", "one_split", "no_attention", "no_norms", "l2_prefetch", "plan_for_context", "min_split=N",
+PARTS = ("main", "no_rope_store", "one_split", "no_attention", "no_norms", "plan_for_context", "min_split=N",
          "max_splits=N", "programs_per_sm=N", "tile=N", "stages=N", "warps=N")
 
 
@@ -75,7 +73,6 @@ def _decode_config_with(stack, decode_module, **fields):
 def variant_in_place(variant: str) -> contextlib.ExitStack:
     """The monkeypatches of a variant ("a+b" combines parts), in place while an engine is built (the backend binds
     its kernels then, and the graphs capture what the patched functions launch)."""
-    from nanovllm.attention.triton_backend import TritonAttentionBackend
     from nanovllm.kernels import decode_attention as decode_module
     from nanovllm.kernels import rms_norm as norm_module
     from nanovllm.kernels import rope_store as rope_module
@@ -93,8 +90,6 @@ def variant_in_place(variant: str) -> contextlib.ExitStack:
         elif name == "no_norms":
             stack.enter_context(mock.patch.object(norm_module, "add_rms_norm", lambda x, weight, eps, residual=None:
                                         x if residual is None else (x, residual)))
-        elif name == "l2_prefetch":
-            stack.enter_context(mock.patch.object(TritonAttentionBackend, "prefetch_weights_up_to", 16))
         elif name == "min_split":  # the shortest split the plan makes, in keys
             stack.enter_context(mock.patch.object(decode_module, "MIN_TOKENS_PER_SPLIT", int(value)))
         elif name == "max_splits":

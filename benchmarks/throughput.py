@@ -246,14 +246,6 @@ def fp8_engine_options(args) -> dict:
     return dict(fp8_norm_e4m3=Fp8LinearMethod.norm_hands_e4m3_rows, fp8_triton_gemm_rows=Fp8LinearMethod.triton_gemm_rows)
 
 
-def prefetch_option(args) -> dict:
-    """Sets the decode steps' L2 prefetch of later weights (before the engine is built); returns it for the JSON."""
-    from nanovllm.attention.triton_backend import TritonAttentionBackend
-    if args.l2_prefetch_rows is not None:
-        TritonAttentionBackend.prefetch_weights_up_to = args.l2_prefetch_rows
-    return dict(l2_prefetch_rows=TritonAttentionBackend.prefetch_weights_up_to)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a folder with config.json (random weights)")
@@ -289,12 +281,9 @@ def main() -> None:
     parser.add_argument("--fp8-triton-gemm-rows", type=int, nargs=2, metavar=("LO", "HI"), default=None,
                         help="quantization fp8: products of LO-HI rows in the Triton fp8 GEMM instead of cuBLAS "
                              "(Fp8LinearMethod.triton_gemm_rows; one GPU)")
-    parser.add_argument("--l2-prefetch-rows", type=int, default=None, metavar="N",
-                        help="decode steps of up to N requests ask each layer's o_proj/gate_up/down weights into L2 "
-                             "before its attention (TritonAttentionBackend.prefetch_weights_up_to; 0: off; one GPU)")
     parser.add_argument("--out", default="results/throughput.json")
     args = parser.parse_args()
-    engine_options = fp8_engine_options(args) | prefetch_option(args)
+    fp8_options = fp8_engine_options(args)
 
     # this card's ceilings, before the engine takes its memory (None off CUDA); the workloads' recorded ceilings
     # are an H200's
@@ -342,7 +331,7 @@ def main() -> None:
                    slice_sampling=args.tensor_parallel_size > 1 and not args.gather_logits,
                    preemptions=llm.scheduler.stats.num_preemptions, kv_blocks=llm.num_kvcache_blocks,
                    async_scheduling=llm.async_scheduling, model=os.path.basename(os.path.normpath(args.model)),
-                   **engine_options, **card, **timer.report())
+                   **fp8_options, **card, **timer.report())
         if profiler:
             row["profile_seconds"] = profiler.report(seconds)
         results.append(row)

@@ -36,10 +36,6 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:  # noqa: B027 (a no-op by default)
         """Called once per step with the step's metadata, before any layer's forward; nothing to derive here."""
 
-    def prefetch_weights(self, plan, meta: AttentionMetadata) -> None:  # noqa: B027 (a no-op)
-        """Before a layer's attention: ask the weights of a plan (kernels/l2_prefetch.prefetch_plan) into the cache
-        where this step gains by it. The default: nothing."""
-
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,

@@ -22,9 +22,6 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
-    # decode-only steps of up to this many requests ask each layer's later weights into L2 during its attention
-    # (Attention.weight_prefetch); 0: never
-    prefetch_weights_up_to = 0
 
     def __init__(self) -> None:
         from nanovllm.kernels.decode_attention import decode_attention
@@ -36,11 +33,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._norm_rope_store = norm_rope_store
         self._decode_attention = decode_attention
         self._prefill_attention = prefill_attention
-
-    def prefetch_weights(self, plan, meta: AttentionMetadata) -> None:
-        if meta.num_prefills == 0 and 0 < meta.num_decodes <= self.prefetch_weights_up_to:
-            from nanovllm.kernels.l2_prefetch import l2_prefetch
-            l2_prefetch(plan)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,

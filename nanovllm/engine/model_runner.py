@@ -36,7 +36,7 @@ from nanovllm.layers.quantization.fp8 import (
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplerOutput, SamplingTensors
 from nanovllm.loader.weights import checkpoint_tensors, load_weights
 from nanovllm.models import model_class
-from nanovllm.models.decoder import prefetch_weights_after_attention, quantize_norm_outputs
+from nanovllm.models.decoder import quantize_norm_outputs
 from nanovllm.platforms.cpu import cpu_ops
 from nanovllm.platforms.cpu import sampler as cpu_sampler
 from nanovllm.platforms.cpu.model import prepare_model
@@ -109,8 +109,6 @@ class ModelRunner:
             prepare_model(self.model, config.cpu_linear, config.cpu.int8_tiles, config.cpu.block_passes)
 
         self.backend = make_attention_backend(config)
-        if self.backend.name == "triton" and self.device.type == "cuda":
-            self._plan_weight_prefetch()
         on_cpu = self.device.type == "cpu"
         self.sampler = Sampler(cpu_sampler.greedy_tokens if on_cpu else None, cpu_sampler.top_k_top_p if on_cpu else None)
         self.decode_tables = DecodeBlockTables()  # block tables kept across planned decode steps
@@ -127,13 +125,6 @@ class ModelRunner:
         if config.piecewise_graphs and self.backend.name == "triton":  # the torch reference loops on the host
             from nanovllm.engine.piecewise_graphs import MAX_PIECEWISE_TOKENS, PiecewiseGraphs
             self.piecewise = PiecewiseGraphs(self, min(config.max_num_batched_tokens, MAX_PIECEWISE_TOKENS))
-
-    def _plan_weight_prefetch(self) -> None:
-        """Plans of the weights each layer reads after its attention, for the backend's L2 prefetch (Hopper)."""
-        from nanovllm.kernels import l2_prefetch
-        if l2_prefetch.available(self.device):
-            prefetch_weights_after_attention(self.model, l2_prefetch.plan_for_device,
-                                             l2_prefetch.l2_bytes(self.device) // 2)
 
     def close(self) -> None:
         """Release the CUDA graphs (before a tensor-parallel process group is destroyed) and the KV pool (its

@@ -20,9 +20,6 @@ class Attention(nn.Module):
         # has them (loader/weights.py fills checkpoint_kv_scales: {"k_scale": ..., "v_scale": ...}), else 1.0
         self.checkpoint_kv_scales: dict[str, float] = {}
         self.k_scale = self.v_scale = 1.0
-        # weights the backend may ask into L2 while this layer attends (kernels/l2_prefetch.py: a plan made at load
-        # time by models/decoder.prefetch_weights_after_attention), or None
-        self.weight_prefetch = None  # a PrefetchPlan
 
     def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
         """Give this layer its KV cache views ([num_blocks, block_size, num_kv_heads, head_dim]) and backend."""
@@ -40,18 +37,12 @@ class Attention(nn.Module):
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm) -> torch.Tensor:
         """Attention straight from the fused qkv projection [num_tokens, (heads + 2 kv heads) * head_dim]: the
         backend applies the q/k norms (modules or None) and rotary in the same kernel that stores K/V."""
-        meta = get_forward_context()
-        if self.weight_prefetch is not None:
-            self.backend.prefetch_weights(self.weight_prefetch, meta)
         return self.backend.forward_qkv(qkv, positions, rotary, q_norm, k_norm, self.num_heads, self.num_kv_heads,
-                                        self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
-                                        self.v_scale)
+                                        self.k_cache, self.v_cache, get_forward_context(), self.scale,
+                                        self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> like q."""
         assert self.backend is not None, "attention layer used before the runner bound its KV cache"
-        meta = get_forward_context()
-        if self.weight_prefetch is not None:
-            self.backend.prefetch_weights(self.weight_prefetch, meta)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale,
-                                    self.v_scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_forward_context(), self.scale,
+                                    self.k_scale, self.v_scale)

@@ -124,31 +124,6 @@ def quantize_norm_outputs(model: nn.Module) -> int:
     return count
 
 
-def prefetch_weights_after_attention(model: nn.Module, make_plan, budget_bytes: int) -> int:
-    """Give each decoder layer's attention a plan (make_plan(tensors), kernels/l2_prefetch.py) of the weights its
-    layer reads after it: o_proj's, then a dense MLP's gate_up_proj's and down_proj's, as many whole ones in that
-    order as fit budget_bytes. Returns how many layers got one."""
-    count = 0
-    for layer in model.modules():
-        if not isinstance(layer, DecoderLayer):
-            continue
-        linears = [layer.self_attn.o_proj]
-        if isinstance(layer.mlp, DecoderMLP):
-            linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        tensors, total = [], 0
-        for linear in linears:
-            method = linear.linear_method
-            weight = method.weight if method.owns_weight else linear.weight
-            total += weight.numel() * weight.element_size()
-            if total > budget_bytes:
-                break
-            tensors.append(weight)
-        if tensors:
-            layer.self_attn.attn.weight_prefetch = make_plan(tensors)
-            count += 1
-    return count
-
-
 class DecoderModel(nn.Module):
     def __init__(self, config, traits: FamilyTraits, max_position: int, make_mlp=None):
         """make_mlp(config, layer_index) -> the layer's feed-forward (default: the dense DecoderMLP)."""

@@ -25,7 +25,6 @@ from nanovllm.kernels import (
     fp8_block_gemm,
     fp8_gemm,
     fused_moe,
-    l2_prefetch,
     prefill_attention,
     rms_norm,
     rope_store,
@@ -172,8 +171,6 @@ def cases():
     yield ("decode reduce", decode_attention._decode_reduce_kernel,
            dict(partial_max_ptr="*fp32", partial_sum_ptr="*fp32", partial_acc_ptr="*fp32", out_ptr="*bf16"),
            dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_SPLITS=16, OVERLAP=True), dict(num_warps=4))
-    yield ("L2 prefetch", l2_prefetch._l2_prefetch_kernel, dict(plan_ptr="*i64"),
-           dict(OVERLAP=True, LANES=l2_prefetch.LANES), dict(num_warps=1))
 
 
 def main() -> int:
