@@ -85,9 +85,11 @@ def scaled_mm_product(x, weight, scale, gated, quantize):
     return y
 
 
-# tilings of the fp8 Triton GEMM that --fp8 --sweep tries: (block_m, block_n, block_k, warps, stages)
+# tilings of the fp8 Triton GEMM that --fp8 --sweep tries: (block_m, block_n, block_k, warps, stages[, split_k])
 FP8_GEMM_SWEEP = [(64, 64, 128, 4, 5), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 64, 128, 8, 5),
-                  (128, 128, 128, 8, 4), (128, 128, 64, 8, 5), (64, 256, 128, 8, 3), (128, 256, 128, 8, 3)]
+                  (128, 128, 128, 8, 4), (128, 128, 64, 8, 5), (64, 256, 128, 8, 3), (128, 256, 128, 8, 3),
+                  (64, 128, 128, 4, 4, 2), (128, 64, 128, 4, 4, 2), (128, 128, 128, 8, 4, 2), (128, 128, 128, 8, 4, 3),
+                  (128, 128, 128, 8, 4, 4), (128, 256, 128, 8, 3, 2)]
 
 
 def triton_fp8_product(x, weight, scale, gated, config=None):
@@ -130,7 +132,7 @@ def fp8_variants(x, weights, quantized, gated, sweep: bool) -> dict:
     }
     for tiling in FP8_GEMM_SWEEP if sweep else ():
         for tma in (True, False):
-            config = Fp8GemmConfig(*tiling, tma=tma)
+            config = Fp8GemmConfig(*tiling[:5], tma=tma, split_k=tiling[5] if len(tiling) > 5 else 1)
             variants[f"triton {tiling}{' tma' if tma else ''}"] = \
                 lambda i, c=config: triton_fp8_product(x, *quantized[i], gated, c)
     if x.shape[0] <= MAX_ROWS:

@@ -6,11 +6,15 @@ scale per output channel (layers/quantization/fp8.py), the same numbers as torch
 At 17-512 rows cuBLAS tiles the product 128 x 128, which leaves most of the GPU idle for the layers with few output
 columns (o_proj, down_proj: 4,096 columns are 64 tiles for 132 SMs). Here the tile fits the shape: programs take
 BLOCK_M rows by BLOCK_N columns, the programs of one column of tiles next to each other so that their weight tile
-is read from HBM once and from L2 after.
+is read from HBM once and from L2 after. With SPLIT_K > 1 each tile's K range is shared by that many programs, for
+shapes with fewer tiles than SMs: each stores its float32 partial sum, takes a ticket from the tile's counter, and
+the last to arrive adds the partials in split order (the result does not depend on which finished first), scales
+and stores the tile, and resets the counter (zeros that live as long as the process, as CUDA graphs want).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,19 +32,25 @@ def _fp8_gemm_kernel(
     y_ptr,                      # [M, N] out dtype
     x_scale_ptr, w_scale_ptr,   # [M], [N] float32
     bias_ptr,                   # [N], read only when HAS_BIAS
+    partial_ptr,                # [SPLIT_K, M, N] float32, when SPLIT_K > 1
+    counter_ptr,                # [tiles] int32 zeros, when SPLIT_K > 1
     M, N, K,
     x_stride, w_stride, y_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    k_per_split,                # a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     TMA: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    tile = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = tl.program_id(0) % tiles_m, tl.program_id(0) // tiles_m
+    pid_m, pid_n = tile % tiles_m, tile // tiles_m
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_mask, col_mask = rows < M, cols < N
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (fp8_linear checks)
+    for k in range(k_start, k_end, BLOCK_K):  # K is a multiple of BLOCK_K (fp8_linear checks)
         if TMA:  # rows and columns past the ends read as zeros
             x = x_desc.load([pid_m * BLOCK_M, k])
             w = w_desc.load([pid_n * BLOCK_N, k])
@@ -50,6 +60,30 @@ def _fp8_gemm_kernel(
         if UPCAST:  # the interpreter's dot takes no fp8 operands: the same values in float32
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc)
+
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K > 1:
+        offsets = rows[:, None] * N + cols[None, :]
+        tl.store(partial_ptr + tl.program_id(1) * M * N + offsets, acc, mask=mask)
+        # one thread takes the ticket: the barrier puts every thread's partial stores before its release (acq_rel),
+        # so the program drawing the last ticket sees every split's partial
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr + tile, 1)
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(SPLIT_K):
+                acc += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            _scale_and_store(acc, y_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_stride, rows, cols, row_mask,
+                             col_mask, HAS_BIAS)
+            tl.store(counter_ptr + tile, 0)
+    else:
+        _scale_and_store(acc, y_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_stride, rows, cols, row_mask, col_mask,
+                         HAS_BIAS)
+
+
+@triton.jit
+def _scale_and_store(acc, y_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_stride, rows, cols, row_mask, col_mask,
+                     HAS_BIAS: tl.constexpr):
     x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=0.0)
     w_scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
@@ -67,6 +101,7 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     tma: bool = True
+    split_k: int = 1  # programs sharing each tile's K range (fewer when K has fewer tiles)
 
 
 def takes(k: int) -> bool:
@@ -97,11 +132,24 @@ def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
         w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
     else:
         x_desc = w_desc = None
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    _fp8_gemm_kernel[grid](
+    k_per_split = triton.cdiv(k // config.block_k, max(1, config.split_k)) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    if split_k > 1:
+        partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x_fp8.device)
+        counters = _tile_counters(x_fp8.device, tiles)
+    else:
+        partial = counters = y  # unused
+    _fp8_gemm_kernel[(tiles, split_k)](
         x_desc, w_desc, x_fp8, weight, y, x_scale, weight_scale, bias if bias is not None else weight_scale,
-        m, n, k, x_fp8.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TMA=config.tma,
+        partial, counters, m, n, k, x_fp8.stride(0), weight.stride(0), y.stride(0), k_per_split,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, TMA=config.tma,
         HAS_BIAS=bias is not None, UPCAST=INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
+
+
+@functools.cache
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Ticket counters, one per output tile: zeros, and every call leaves them zero."""
+    return torch.zeros(tiles, dtype=torch.int32, device=device)

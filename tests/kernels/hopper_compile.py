@@ -159,15 +159,16 @@ def cases():
     yield ("fp8 block-scaled GEMM", fp8_block_gemm._block_fp8_gemm_kernel,
            dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", y_ptr="*bf16", x_scale_ptr="*fp32", w_scale_ptr="*fp32"),
            dict(GROUP_K=128, BLOCK_M=16, BLOCK_N=fp8_block_gemm.BLOCK_N, UPCAST=False), dict(num_warps=4, num_stages=3))
-    for tma in (True, False):
+    for tma, split_k in ((True, 1), (False, 1), (True, 3)):
         pointers = dict(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", y_ptr="*bf16", x_scale_ptr="*fp32", w_scale_ptr="*fp32",
-                        bias_ptr="*bf16")
-        constexprs = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, TMA=tma, HAS_BIAS=True, UPCAST=False)
+                        bias_ptr="*bf16", partial_ptr="*fp32", counter_ptr="*i32")
+        constexprs = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=split_k, TMA=tma, HAS_BIAS=True,
+                          UPCAST=False)
         if tma:
             pointers.update(x_desc="tensordesc<fp8e4nv[64,128]>", w_desc="tensordesc<fp8e4nv[128,128]>")
         else:
             constexprs.update(x_desc=None, w_desc=None)
-        yield f"fp8 GEMM, tma {tma}", fp8_gemm._fp8_gemm_kernel, pointers, constexprs, dict(num_warps=4, num_stages=4)
+        yield f"fp8 GEMM, tma {tma}, split K {split_k}", fp8_gemm._fp8_gemm_kernel, pointers, constexprs, dict(num_warps=4, num_stages=4)
     yield ("decode reduce", decode_attention._decode_reduce_kernel,
            dict(partial_max_ptr="*fp32", partial_sum_ptr="*fp32", partial_acc_ptr="*fp32", out_ptr="*bf16"),
            dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_SPLITS=16, OVERLAP=True), dict(num_warps=4))
