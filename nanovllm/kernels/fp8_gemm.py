@@ -14,7 +14,6 @@ and stores the tile, and resets the counter (zeros that live as long as the proc
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.jit import INTERPRETED, num_sms
+from nanovllm.kernels.jit import INTERPRETED, k_splits, num_sms, ticket_counters
 
 
 @triton.jit
@@ -132,12 +131,11 @@ def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
         w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
     else:
         x_desc = w_desc = None
-    k_per_split = triton.cdiv(k // config.block_k, max(1, config.split_k)) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)
+    split_k, k_per_split = k_splits(k, config.block_k, config.split_k)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     if split_k > 1:
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x_fp8.device)
-        counters = _tile_counters(x_fp8.device, tiles)
+        counters = ticket_counters(x_fp8.device, tiles)
     else:
         partial = counters = y  # unused
     _fp8_gemm_kernel[(tiles, split_k)](
@@ -148,8 +146,3 @@ def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     )
     return y
 
-
-@functools.cache
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Ticket counters, one per output tile: zeros, and every call leaves them zero."""
-    return torch.zeros(tiles, dtype=torch.int32, device=device)

@@ -31,6 +31,20 @@ def num_sms(device: torch.device) -> int:
     return 132
 
 
+def k_splits(k: int, block_k: int, wanted: int) -> tuple[int, int]:
+    """(splits, k_per_split): K shared by up to `wanted` programs in whole tiles of block_k (fewer programs when K has
+    fewer tiles); the last split may be shorter."""
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), max(1, wanted)) * block_k
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+@functools.cache
+def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
+    """The split-K kernels' ticket counters (one per output tile): zeros, and every launch leaves them zero, so
+    kernels in one stream may share them and CUDA graphs replay them as captured."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
 def jit_unspecialized(*names: str):
     kwargs = {"do_not_specialize": names}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:

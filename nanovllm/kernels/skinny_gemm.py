@@ -23,7 +23,6 @@ torch._scaled_mm computes them). The scales multiply the sums before the bias an
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +31,10 @@ import triton.language as tl
 
 from nanovllm.kernels.jit import (
     INTERPRETED,
+    k_splits,
     num_sms,
     overlap_options,
+    ticket_counters,
     wait_for_prior_kernel,
 )
 
@@ -238,12 +239,6 @@ def takes(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
                                               <= MAX_UNGATED_WEIGHT_BYTES)
 
 
-@functools.cache
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    """Per column block ticket counters: zeros, and every call leaves them zero."""
-    return torch.zeros(size, dtype=torch.int32, device=device)
-
-
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_linear takes this product (otherwise the library GEMM should): 16-bit x with a weight of its
     dtype or e4m3, or e4m3 x with an e4m3 weight."""
@@ -270,14 +265,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n = n_total // 2 if gated else n_total
     assert not gated or n_total % 2 == 0, f"a gated weight has an even number of rows, got {n_total}"
     config = config or default_config(n, k, x.device, gated, weight.element_size())
-    split_k = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)
+    split_k, k_per_split = k_splits(k, config.block_k, config.split_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     column_blocks = triton.cdiv(n, config.block_n)
     if split_k > 1:
         partial = torch.empty((split_k, m, n_total), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, column_blocks)
+        counters = ticket_counters(x.device, column_blocks)
     else:
         partial = counters = out  # unused
     _skinny_gemm_kernel[(column_blocks, split_k)](

@@ -48,7 +48,7 @@ def test_fp8_linear_equals_the_formula(m, n, tma):
 @pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("split_k", [2, 3, 8])  # 8: more splits than K has tiles (four), so four of one tile
 def test_fp8_linear_split_over_k_equals_the_formula_and_leaves_its_counters_zero(split_k, tma):
-    from nanovllm.kernels.fp8_gemm import _tile_counters
+    from nanovllm.kernels.jit import ticket_counters
     xq, xs, wq, ws, bias, expected = _operands(40, 96, 256)
     config = Fp8GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2, tma=tma, split_k=split_k)
     whole = fp8_linear(xq, xs, wq, ws, bias, torch.float32, Fp8GemmConfig(block_m=16, block_n=32, block_k=64,
@@ -57,7 +57,7 @@ def test_fp8_linear_split_over_k_equals_the_formula_and_leaves_its_counters_zero
         y = fp8_linear(xq, xs, wq, ws, bias, torch.float32, config)
         assert ((y - expected - bias).abs() <= _rounding_bound(xq, xs, wq, ws) + 1e-6 * bias.abs()).all()
         torch.testing.assert_close(y, whole, rtol=1e-5, atol=1e-5)
-    assert not _tile_counters(xq.device, 3 * 3).any()  # ceil(40 / 16) x ceil(96 / 32) tiles
+    assert not ticket_counters(xq.device, 3 * 3).any()  # ceil(40 / 16) x ceil(96 / 32) tiles
 
 
 def test_fp8_linear_refuses_a_k_that_is_not_a_multiple_of_its_tile():

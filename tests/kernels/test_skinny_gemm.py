@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.skinny_gemm import SkinnyConfig, _counters, fits, skinny_linear, takes
+from nanovllm.kernels.jit import ticket_counters
+from nanovllm.kernels.skinny_gemm import SkinnyConfig, fits, skinny_linear, takes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,7 +33,7 @@ def test_skinny_linear_matches_torch(rows, split_k, gated):
     out = skinny_linear(x, weight, gated=gated, config=config)
     assert out.shape == (rows, n)
     torch.testing.assert_close(out, reference(x, weight, gated=gated), rtol=2e-2, atol=2e-2)
-    assert int(_counters(out.device, 2).abs().sum()) == 0  # every call leaves its tickets at zero
+    assert int(ticket_counters(out.device, 2).abs().sum()) == 0  # every call leaves its tickets at zero
 
 
 def test_skinny_linear_with_bias_and_a_strided_input():
