@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.jit import INTERPRETED, k_splits, num_sms, ticket_counters
+from nanovllm.kernels.jit import INTERPRETED, k_splits, num_sms, split_k_buffers
 
 
 @triton.jit
@@ -133,11 +133,7 @@ def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
         x_desc = w_desc = None
     split_k, k_per_split = k_splits(k, config.block_k, config.split_k)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    if split_k > 1:
-        partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x_fp8.device)
-        counters = ticket_counters(x_fp8.device, tiles)
-    else:
-        partial = counters = y  # unused
+    partial, counters = split_k_buffers(split_k, m, n, tiles, unused=y)
     _fp8_gemm_kernel[(tiles, split_k)](
         x_desc, w_desc, x_fp8, weight, y, x_scale, weight_scale, bias if bias is not None else weight_scale,
         partial, counters, m, n, k, x_fp8.stride(0), weight.stride(0), y.stride(0), k_per_split,

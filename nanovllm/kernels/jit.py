@@ -45,6 +45,16 @@ def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
+def split_k_buffers(splits: int, rows: int, cols: int, tiles: int, unused: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """A split-K launch's float32 partials [splits, rows, cols] and ticket counters (one per tile); `unused` for
+    both when there is one split (its kernel reads neither)."""
+    if splits == 1:
+        return unused, unused
+    partial = torch.empty((splits, rows, cols), dtype=torch.float32, device=unused.device)
+    return partial, ticket_counters(unused.device, tiles)
+
+
 def jit_unspecialized(*names: str):
     kwargs = {"do_not_specialize": names}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:

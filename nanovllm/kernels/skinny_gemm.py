@@ -34,7 +34,7 @@ from nanovllm.kernels.jit import (
     k_splits,
     num_sms,
     overlap_options,
-    ticket_counters,
+    split_k_buffers,
     wait_for_prior_kernel,
 )
 
@@ -268,11 +268,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     split_k, k_per_split = k_splits(k, config.block_k, config.split_k)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     column_blocks = triton.cdiv(n, config.block_n)
-    if split_k > 1:
-        partial = torch.empty((split_k, m, n_total), dtype=torch.float32, device=x.device)
-        counters = ticket_counters(x.device, column_blocks)
-    else:
-        partial = counters = out  # unused
+    partial, counters = split_k_buffers(split_k, m, n_total, column_blocks, unused=out)
     _skinny_gemm_kernel[(column_blocks, split_k)](
         x, weight, bias if bias is not None else out, out if weight_scale is None else weight_scale.reshape(-1),
         out if x_scale is None else x_scale.reshape(-1), out, partial, counters, m, n, k, x.stride(0),
