@@ -36,6 +36,7 @@ def _fp8_gemm_kernel(
     M, N, K,
     x_stride, w_stride, y_stride,
     k_per_split,                # a multiple of BLOCK_K
+    split_stride,               # M * N: one split's partials
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     TMA: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -62,16 +63,18 @@ def _fp8_gemm_kernel(
 
     mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K > 1:
-        offsets = rows[:, None] * N + cols[None, :]
-        tl.store(partial_ptr + tl.program_id(1) * M * N + offsets, acc, mask=mask)
+        here = partial_ptr + rows[:, None] * N + cols[None, :]
+        # int64: a prefill's rows times a wide projection's columns pass 2^31 in a few splits
+        tl.store(here + tl.program_id(1).to(tl.int64) * split_stride, acc, mask=mask)
         # one thread takes the ticket: the barrier puts every thread's partial stores before its release (acq_rel),
         # so the program drawing the last ticket sees every split's partial
         tl.debug_barrier()
         ticket = tl.atomic_add(counter_ptr + tile, 1)
         if ticket == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in range(SPLIT_K):
-                acc += tl.load(partial_ptr + split * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            for _ in range(SPLIT_K):
+                acc += tl.load(here, mask=mask, other=0.0, cache_modifier=".cg")
+                here += split_stride
             _scale_and_store(acc, y_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_stride, rows, cols, row_mask,
                              col_mask, HAS_BIAS)
             tl.store(counter_ptr + tile, 0)
@@ -136,9 +139,8 @@ def fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     partial, counters = split_k_buffers(split_k, m, n, tiles, unused=y)
     _fp8_gemm_kernel[(tiles, split_k)](
         x_desc, w_desc, x_fp8, weight, y, x_scale, weight_scale, bias if bias is not None else weight_scale,
-        partial, counters, m, n, k, x_fp8.stride(0), weight.stride(0), y.stride(0), k_per_split,
+        partial, counters, m, n, k, x_fp8.stride(0), weight.stride(0), y.stride(0), k_per_split, m * n,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, TMA=config.tma,
         HAS_BIAS=bias is not None, UPCAST=INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
-
