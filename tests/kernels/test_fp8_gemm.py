@@ -82,3 +82,22 @@ def test_fp8_linear_matches_scaled_mm_at_the_layers_shapes(m):
     ours, library = (y.float() - exact).abs(), (reference.float() - exact).abs()
     assert (ours <= 2 ** -8 * exact.abs() + 2 ** -11 * _magnitudes(xq, xs, wq, ws)).all()
     assert ours.mean() <= 1.5 * library.mean() + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [128, 256])
+def test_fp8_linear_split_over_k_on_the_gpu_holds_the_same_bound(m):
+    """The split-K tickets on real hardware (the interpreter runs programs one at a time): three splits of the 8B
+    shape's down_proj, called three times (each call finds the counters the one before left), every output within
+    the bound the unsplit product is held to, and within float32 reassociation of it."""
+    xq, xs, wq, ws, bias, expected = _operands(m, 4096, 12288)
+    exact = expected + bias.bfloat16().float()
+    whole = fp8_linear(xq, xs, wq, ws, bias.bfloat16(), torch.float32,
+                       Fp8GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4))
+    split = Fp8GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, split_k=3)
+    bound = 2 ** -11 * _magnitudes(xq, xs, wq, ws)
+    for _ in range(3):
+        y = fp8_linear(xq, xs, wq, ws, bias.bfloat16(), torch.float32, split)
+        assert ((y - exact).abs() <= 1e-6 * exact.abs() + bound).all()
+        assert ((y - whole).abs() <= 1e-5 * whole.abs() + _rounding_bound(xq, xs, wq, ws)).all()
