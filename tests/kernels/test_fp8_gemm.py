@@ -47,17 +47,18 @@ def test_fp8_linear_equals_the_formula(m, n, tma):
 
 @pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("split_k", [2, 3, 8])  # 8: more splits than K has tiles (four), so four of one tile
-def test_fp8_linear_split_over_k_equals_the_formula_and_leaves_its_counters_zero(split_k, tma):
+@pytest.mark.parametrize("m,n", [(40, 96), (3, 80)])  # ragged row tiles; fewer rows than a tile, ragged columns
+def test_fp8_linear_split_over_k_equals_the_formula_and_leaves_its_counters_zero(m, n, split_k, tma):
     from nanovllm.kernels.jit import ticket_counters
-    xq, xs, wq, ws, bias, expected = _operands(40, 96, 256)
-    config = Fp8GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2, tma=tma, split_k=split_k)
-    whole = fp8_linear(xq, xs, wq, ws, bias, torch.float32, Fp8GemmConfig(block_m=16, block_n=32, block_k=64,
-                                                                          num_warps=4, num_stages=2, tma=tma))
+    xq, xs, wq, ws, bias, expected = _operands(m, n, 256)
+    tiling = dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2, tma=tma)
+    whole = fp8_linear(xq, xs, wq, ws, bias, torch.float32, Fp8GemmConfig(**tiling))
     for _ in range(2):  # the second call finds the counters the first left
-        y = fp8_linear(xq, xs, wq, ws, bias, torch.float32, config)
+        y = fp8_linear(xq, xs, wq, ws, bias, torch.float32, Fp8GemmConfig(**tiling, split_k=split_k))
         assert ((y - expected - bias).abs() <= _rounding_bound(xq, xs, wq, ws) + 1e-6 * bias.abs()).all()
         torch.testing.assert_close(y, whole, rtol=1e-5, atol=1e-5)
-    assert not ticket_counters(xq.device, 3 * 3).any()  # ceil(40 / 16) x ceil(96 / 32) tiles
+    tiles = -(-m // 16) * -(-n // 32)
+    assert not ticket_counters(xq.device, tiles).any()
 
 
 def test_fp8_linear_refuses_a_k_that_is_not_a_multiple_of_its_tile():
