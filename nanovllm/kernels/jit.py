@@ -45,8 +45,8 @@ def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
-def split_k_buffers(splits: int, rows: int, cols: int, tiles: int, unused: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
+def split_k_buffers(splits: int, rows: int, cols: int, tiles: int,
+                    unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A split-K launch's float32 partials [splits, rows, cols] and ticket counters (one per tile); `unused` for
     both when there is one split (its kernel reads neither)."""
     if splits == 1:

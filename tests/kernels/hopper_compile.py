@@ -168,7 +168,8 @@ def cases():
             pointers.update(x_desc="tensordesc<fp8e4nv[64,128]>", w_desc="tensordesc<fp8e4nv[128,128]>")
         else:
             constexprs.update(x_desc=None, w_desc=None)
-        yield f"fp8 GEMM, tma {tma}, split K {split_k}", fp8_gemm._fp8_gemm_kernel, pointers, constexprs, dict(num_warps=4, num_stages=4)
+        yield (f"fp8 GEMM, tma {tma}, split K {split_k}", fp8_gemm._fp8_gemm_kernel, pointers, constexprs,
+               dict(num_warps=4, num_stages=4))
     yield ("decode reduce", decode_attention._decode_reduce_kernel,
            dict(partial_max_ptr="*fp32", partial_sum_ptr="*fp32", partial_acc_ptr="*fp32", out_ptr="*bf16"),
            dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_SPLITS=16, OVERLAP=True), dict(num_warps=4))
